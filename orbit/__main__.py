@@ -1,0 +1,3 @@
+from orbit.cli import app
+
+app()

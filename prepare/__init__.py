@@ -1,0 +1,1 @@
+"""Turn a Hugging Face checkpoint or a GGUF file into an Orbit package."""

@@ -1,0 +1,183 @@
+"""`orbit prepare`: checkpoint -> package, one rank's shard in memory at a time, written atomically.
+
+The package is assembled in a hidden temporary directory beside the output and renamed into
+place only after the manifest (written last) is on disk, so an interrupted prepare never leaves
+anything that loads as a package.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.progress import Progress
+
+import orbit
+from proto import package_pb2
+from runtime.layout import check_tp, shard_shapes
+from runtime.package import (
+    DTYPES,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    check_shard_tensors,
+    sha256_file,
+    shard_path,
+)
+from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
+
+from prepare.model_spec import model_spec_from_config, sliding_window_limit
+from prepare.shard import check_source_names, rank_tensors
+from prepare.source import Checkpoint, SourceError, open_checkpoint
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    tp: int = 1
+    dtype: str = "auto"  # "auto" keeps the checkpoint's dtype (float32 for GGUF)
+    max_seq_len: int = 0  # 0: min(the model's trained context, 4096)
+    max_batch: int = 64
+    kv_page_size: int = 16
+    max_step_tokens: int = 2048
+    force: bool = False
+
+
+def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool = True) -> Path:
+    out = Path(out).resolve()
+    if out.exists() and not opts.force:
+        raise FileExistsError(f"{out} already exists; pass --force to replace it.")
+    ckpt = open_checkpoint(Path(model))
+    manifest = _manifest_head(ckpt, opts)
+    spec = model_spec_from_config(ckpt.config, opts.tp)
+    check_source_names(ckpt.tensors, spec)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_tokenizer(ckpt, tmp, manifest)
+        _write_shards(ckpt, tmp, manifest, progress)
+        _write_atomic(tmp / MANIFEST_NAME, manifest.SerializeToString())
+        _replace_dir(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _manifest_head(ckpt: Checkpoint, opts: PrepareOptions) -> package_pb2.Manifest:
+    spec = model_spec_from_config(ckpt.config, opts.tp)
+    check_tp(spec, opts.tp)
+    dtype = opts.dtype
+    if dtype == "auto":
+        dtype = {v: k for k, v in DTYPES.items()}.get(ckpt.source_dtype, "float32")
+    if dtype not in DTYPES:
+        raise SourceError(f"--dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}.")
+    max_seq_len = opts.max_seq_len or min(spec.max_position_embeddings, 4096)
+    if max_seq_len > spec.max_position_embeddings:
+        raise SourceError(
+            f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings "
+            f"({spec.max_position_embeddings})."
+        )
+    window = sliding_window_limit(ckpt.config)
+    if window is not None and max_seq_len > window:
+        raise SourceError(
+            f"--max-seq-len {max_seq_len} exceeds the model's sliding_window ({window}); Orbit "
+            f"attends to the whole context, so pass --max-seq-len {window} or less."
+        )
+    if opts.max_batch < 1 or opts.kv_page_size < 1 or opts.max_step_tokens < 1:
+        raise SourceError("--max-batch, --page-size and --max-step-tokens must be at least 1.")
+    caps = Capacities(
+        max_seq_len=max_seq_len,
+        max_batch=opts.max_batch,
+        kv_page_size=opts.kv_page_size,
+        decode_batch_buckets=default_decode_buckets(opts.max_batch),
+        prefill_chunk_sizes=default_prefill_chunks(opts.max_step_tokens),
+    )
+    return package_pb2.Manifest(
+        format_version=FORMAT_VERSION,
+        producer_version=orbit.__version__,
+        source_name=ckpt.name,
+        model=spec.to_proto(),
+        dtype=dtype,
+        tp_size=opts.tp,
+        capacities=caps.to_proto(),
+    )
+
+
+def _file_entry(root: Path, path: Path) -> package_pb2.FileEntry:
+    return package_pb2.FileEntry(
+        path=path.relative_to(root).as_posix(),
+        size_bytes=path.stat().st_size,
+        sha256=sha256_file(path),
+    )
+
+
+def _write_tokenizer(ckpt: Checkpoint, root: Path, manifest: package_pb2.Manifest) -> None:
+    tok_dir = root / "tokenizer"
+    ckpt.tokenizer.save_pretrained(str(tok_dir))
+    tok = manifest.tokenizer
+    for path in sorted(p for p in tok_dir.rglob("*") if p.is_file()):
+        tok.files.append(_file_entry(root, path))
+    tok.chat_template = ckpt.tokenizer.chat_template or ""
+    bos = ckpt.tokenizer.bos_token_id
+    if bos is not None:
+        tok.bos_token_id, tok.has_bos = bos, True
+    eos = list(ckpt.generation_eos)
+    for candidate in (getattr(ckpt.config, "eos_token_id", None), ckpt.tokenizer.eos_token_id):
+        for e in candidate if isinstance(candidate, list) else [candidate]:
+            if e is not None and e not in eos:
+                eos.append(e)
+    tok.eos_token_ids.extend(eos)
+
+
+def _write_shards(
+    ckpt: Checkpoint, root: Path, manifest: package_pb2.Manifest, progress: bool
+) -> None:
+    from safetensors.torch import save_file
+
+    spec = model_spec_from_config(ckpt.config, manifest.tp_size)
+    tp, dtype = manifest.tp_size, DTYPES[manifest.dtype]
+    shapes = shard_shapes(spec, tp)
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("preparing shards", total=tp * len(shapes))
+        for rank in range(tp):
+            tensors = {}
+            for name, t in rank_tensors(ckpt.tensors, spec, rank, tp):
+                tensors[name] = t.to(dtype).contiguous()
+                bar.advance(task)
+            path = root / shard_path(rank, tp)
+            check_shard_tensors(path, tensors, shapes, dtype)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path), metadata={"orbit_rank": str(rank), "orbit_tp": str(tp)})
+            del tensors
+            _fsync(path)
+            manifest.shards.append(package_pb2.Shard(rank=rank, file=_file_entry(root, path)))
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    if out.exists():
+        # Move the old package aside first so `out` is never a half-written mix of both.
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "pkg")
+        os.rename(new, out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(new, out)

@@ -1,0 +1,1 @@
+"""Model execution: package loading, the TP model, KV cache, sampling and scheduling."""

@@ -1,0 +1,46 @@
+"""The paged KV cache: one tensor per layer, allocated once, addressed through page tables.
+
+Layout per layer is [num_pages, 2 (k, v), page_size, kv_heads_local, head_dim] ("NHD", the
+layout FlashInfer's paged kernels read), so the CPU and GPU paths share it. Token t of a
+sequence lives in page page_table[t // page_size] at offset t % page_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class KVCacheShape:
+    num_layers: int
+    num_pages: int
+    page_size: int
+    kv_heads: int  # this rank's
+    head_dim: int
+
+    def bytes(self, dtype: torch.dtype) -> int:
+        elems = self.num_layers * self.num_pages * 2 * self.page_size * self.kv_heads * self.head_dim
+        return elems * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def for_spec(cls, spec: ModelSpec, tp: int, num_pages: int, page_size: int) -> KVCacheShape:
+        return cls(spec.num_layers, num_pages, page_size, spec.num_kv_heads // tp, spec.head_dim)
+
+    def page_bytes(self, dtype: torch.dtype) -> int:
+        return self.bytes(dtype) // self.num_pages
+
+
+class KVCache:
+    def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: torch.device | str):
+        self.shape = shape
+        self.layers = [
+            torch.zeros(
+                shape.num_pages, 2, shape.page_size, shape.kv_heads, shape.head_dim,
+                dtype=dtype, device=device,
+            )
+            for _ in range(shape.num_layers)
+        ]

@@ -1,0 +1,190 @@
+"""Read and verify a package: the manifest, every file's size and SHA-256, and shard tensors.
+
+Nothing is substituted: any mismatch raises PackageError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path, PurePosixPath
+
+import torch
+from google.protobuf.message import DecodeError
+
+from proto import package_pb2
+from runtime.layout import shard_shapes
+from runtime.spec import Capacities, ModelSpec
+
+MANIFEST_NAME = "manifest.pb"
+# Format versions this Orbit reads; see docs/package-format.md for what each one means.
+FORMAT_VERSION = 1
+READABLE_FORMAT_VERSIONS = (1,)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PackageError(ValueError):
+    """The package is missing, damaged or not one this Orbit can load."""
+
+
+def shard_path(rank: int, tp: int) -> str:
+    return f"shards/rank-{rank:05d}-of-{tp:05d}.safetensors"
+
+
+def sha256_file(path: Path, chunk_bytes: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(chunk_bytes):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def read_manifest(package_dir: Path) -> package_pb2.Manifest:
+    path = Path(package_dir) / MANIFEST_NAME
+    if not path.is_file():
+        raise PackageError(
+            f"{package_dir} is not an Orbit package: {MANIFEST_NAME} is missing "
+            "(create one with `orbit prepare MODEL --tp N --out PKG`)."
+        )
+    manifest = package_pb2.Manifest()
+    try:
+        manifest.ParseFromString(path.read_bytes())
+    except DecodeError as e:
+        raise PackageError(f"{path}: not a valid manifest ({e}).") from e
+    v = manifest.format_version
+    if v not in READABLE_FORMAT_VERSIONS:
+        newest = max(READABLE_FORMAT_VERSIONS)
+        fix = "upgrade Orbit" if v > newest else "re-create the package with `orbit prepare`"
+        raise PackageError(
+            f"{path}: format_version {v} is not readable by this Orbit (reads up to {newest}); {fix}."
+        )
+    return manifest
+
+
+@dataclass(frozen=True)
+class Package:
+    """A verified package directory. Build with open_package()."""
+
+    root: Path
+    manifest: package_pb2.Manifest
+
+    @cached_property
+    def spec(self) -> ModelSpec:
+        return ModelSpec.from_proto(self.manifest.model)
+
+    @cached_property
+    def capacities(self) -> Capacities:
+        return Capacities.from_proto(self.manifest.capacities)
+
+    @property
+    def tp_size(self) -> int:
+        return self.manifest.tp_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DTYPES[self.manifest.dtype]
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.root / "tokenizer"
+
+    @cached_property
+    def digest(self) -> str:
+        """SHA-256 of the manifest: names this exact package (it holds every file's hash)."""
+        return hashlib.sha256((self.root / MANIFEST_NAME).read_bytes()).hexdigest()
+
+    def shard_file(self, rank: int) -> Path:
+        return self.root / self.manifest.shards[rank].file.path
+
+    def load_shard(self, rank: int, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Verify one rank's shard file and return its tensors, checked against the spec."""
+        from safetensors.torch import load_file
+
+        entry = self.manifest.shards[rank].file
+        verify_file(self.root, entry)
+        path = self.root / entry.path
+        try:
+            tensors = load_file(str(path), device=str(device))
+        except Exception as e:  # safetensors raises its own error types
+            raise PackageError(f"{path}: cannot be read as safetensors ({e}).") from e
+        check_shard_tensors(path, tensors, shard_shapes(self.spec, self.tp_size), self.dtype)
+        return tensors
+
+
+def _safe_relative(root: Path, rel: str) -> Path:
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or not rel:
+        raise PackageError(f"{root / MANIFEST_NAME}: file path {rel!r} escapes the package.")
+    return root / p
+
+
+def verify_file(root: Path, entry: package_pb2.FileEntry) -> None:
+    path = _safe_relative(root, entry.path)
+    if not path.is_file():
+        raise PackageError(f"{path}: file is missing from the package (listed in the manifest).")
+    size = path.stat().st_size
+    if size != entry.size_bytes:
+        raise PackageError(
+            f"{path}: size_bytes is {size}, the manifest says {entry.size_bytes} "
+            "(truncated or replaced; copy the package again)."
+        )
+    digest = sha256_file(path)
+    if digest != entry.sha256:
+        raise PackageError(
+            f"{path}: sha256 is {digest}, the manifest says {entry.sha256} "
+            "(corrupted; copy the package again)."
+        )
+
+
+def check_shard_tensors(
+    path: Path,
+    tensors: dict[str, torch.Tensor],
+    expected: dict[str, tuple[int, ...]],
+    dtype: torch.dtype,
+) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise PackageError(f"{path}: tensor {missing[0]!r} is missing.")
+    if extra:
+        raise PackageError(f"{path}: unexpected tensor {extra[0]!r}.")
+    for name, shape in expected.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise PackageError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}.")
+        if t.dtype != dtype:
+            raise PackageError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected {dtype}.")
+
+
+def check_manifest(root: Path, m: package_pb2.Manifest) -> None:
+    """Structural checks that need no file reads."""
+    where = root / MANIFEST_NAME
+    if m.dtype not in DTYPES:
+        raise PackageError(f"{where}: dtype {m.dtype!r} is not one of {', '.join(DTYPES)}.")
+    if m.tp_size < 1 or len(m.shards) != m.tp_size:
+        raise PackageError(f"{where}: tp_size is {m.tp_size} but {len(m.shards)} shards are listed.")
+    for i, shard in enumerate(m.shards):
+        if shard.rank != i:
+            raise PackageError(f"{where}: shards[{i}].rank is {shard.rank}, expected {i}.")
+        _safe_relative(root, shard.file.path)
+    c = m.capacities
+    if not (c.max_seq_len and c.max_batch and c.kv_page_size):
+        raise PackageError(f"{where}: capacities are incomplete (max_seq_len, max_batch, kv_page_size).")
+    if not c.decode_batch_buckets or c.decode_batch_buckets[-1] != c.max_batch:
+        raise PackageError(f"{where}: capacities.decode_batch_buckets must end at max_batch.")
+    if not c.prefill_chunk_sizes:
+        raise PackageError(f"{where}: capacities.prefill_chunk_sizes is empty.")
+    shard_shapes(ModelSpec.from_proto(m.model), m.tp_size)  # raises on a spec that cannot split
+
+
+def open_package(package_dir: Path | str, verify_tokenizer: bool = True) -> Package:
+    """Read the manifest and check its structure (and tokenizer files); shards are verified
+    when a rank loads them, so a host checks only the shards it holds."""
+    root = Path(package_dir)
+    manifest = read_manifest(root)
+    check_manifest(root, manifest)
+    if verify_tokenizer:
+        for entry in manifest.tokenizer.files:
+            verify_file(root, entry)
+    return Package(root, manifest)

@@ -1,0 +1,86 @@
+"""Run a package's reference forward in `tp` real processes joined by gloo, as ranks would."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load_runner(package_dir: str, rank: int, num_pages: int):
+    from runtime.kv_cache import KVCache, KVCacheShape
+    from runtime.layers import TPGroup
+    from runtime.model import build_model
+    from runtime.package import open_package
+    from runtime.runner import ReferenceRunner
+
+    pkg = open_package(package_dir)
+    group = TPGroup(rank, pkg.tp_size)
+    model = build_model(pkg.spec, pkg.load_shard(rank), group, pkg.capacities.max_seq_len)
+    shape = KVCacheShape.for_spec(pkg.spec, pkg.tp_size, num_pages, pkg.capacities.kv_page_size)
+    return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), pkg
+
+
+def _greedy(runner, page_size: int, prompt: list[int], max_new: int, eos: set[int], chunk: int):
+    """Prefill in chunks of `chunk` tokens, then decode greedily; pages in reverse order so the
+    page table is exercised. Returns (prompt-end logits, generated ids)."""
+    from runtime.runner import SeqInput
+
+    total = len(prompt) + max_new
+    num_pages = -(-total // page_size)
+    pages = list(range(num_pages))[::-1]
+    first_logits = None
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start : start + chunk]
+        last = start + len(piece) == len(prompt)
+        out = runner.step([SeqInput(piece, start, pages, sample=last)])
+        if last:
+            first_logits = out[0]
+    out_ids = [int(first_logits.argmax())]
+    while len(out_ids) < max_new and out_ids[-1] not in eos:
+        pos = len(prompt) + len(out_ids) - 1
+        logits = runner.step([SeqInput([out_ids[-1]], pos, pages, sample=True)])
+        out_ids.append(int(logits[0].argmax()))
+    return first_logits, out_ids
+
+
+def _worker(rank, tp, port, package_dir, prompts, max_new, chunk, out_path):
+    if tp > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp
+        )
+    torch.set_num_threads(1)
+    runner, pkg = _load_runner(package_dir, rank, num_pages=256)
+    eos = set(pkg.manifest.tokenizer.eos_token_ids)
+    results = []
+    for prompt in prompts:
+        logits, ids = _greedy(runner, pkg.capacities.kv_page_size, prompt, max_new, eos, chunk)
+        results.append({"logits": logits.tolist(), "ids": ids})
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    if tp > 1:
+        dist.destroy_process_group()
+
+
+def run_tp(package_dir: Path, tp: int, prompts: list[list[int]], max_new: int, chunk: int,
+           tmp: Path) -> list[dict]:
+    """Greedy-generate each prompt on `tp` processes; returns rank 0's logits and ids."""
+    out = tmp / f"result-tp{tp}.json"
+    mp.start_processes(
+        _worker,
+        args=(tp, free_port(), str(package_dir), prompts, max_new, chunk, str(out)),
+        nprocs=tp,
+        join=True,
+        start_method="spawn",
+    )
+    return json.loads(out.read_text())
