@@ -63,3 +63,58 @@ def prepare(
 
 def main() -> None:
     app()
+
+
+@app.command()
+def serve(
+    package: Annotated[
+        Path | None, typer.Argument(help="A package directory; omit to serve the default model.")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Address the HTTP API listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port the HTTP API listens on.")] = 8000,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
+    kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
+    threads: Annotated[int, typer.Option(help="torch threads per CPU rank; 0: cores / ranks.")] = 0,
+    model_name: Annotated[str, typer.Option(help="Name served at /v1/models.")] = "",
+    api_key: Annotated[str | None, typer.Option(help="Require this Bearer key.")] = None,
+    drain_timeout: Annotated[float, typer.Option(help="Seconds running requests get on stop.")] = 30.0,
+    cache_dir: Annotated[
+        Path, typer.Option(help="Where the default model's package is kept.")
+    ] = Path.home() / ".cache" / "orbit",
+) -> None:
+    """Serve a package on this machine: its ranks plus the OpenAI-compatible HTTP API."""
+    import asyncio
+    import logging
+
+    from orbit.default_model import DefaultModelMissing, default_package
+    from orbit.local_ranks import LocalRankOptions
+    from orbit.serve import ServeOptions
+    from orbit.serve import serve as run_serve
+    from runtime.package import PackageError
+
+    if device not in ("cpu", "cuda"):
+        fail(f"--device must be cpu or cuda, not {device!r}.")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        if package is None:
+            err.print("preparing the default model (SmolLM2-135M-Instruct) if needed...")
+            package = default_package(cache_dir, device)
+    except DefaultModelMissing as e:
+        fail(str(e))
+    opts = ServeOptions(
+        package=package, host=host, port=port, model_name=model_name, api_key=api_key,
+        drain_timeout_s=drain_timeout,
+        ranks=LocalRankOptions(device=device, kv_pages=kv_pages, kv_cache_mb=kv_cache_mb,
+                               threads=threads),
+    )
+
+    def on_ready(engine) -> None:
+        err.print(f"serving {engine.model_name} on http://{host}:{port}/v1 "
+                  f"({opts.package}, {engine.scheduler.config.num_pages} KV pages)")
+
+    try:
+        code = asyncio.run(run_serve(opts, on_ready=on_ready))
+    except PackageError as e:
+        fail(str(e))
+    raise typer.Exit(code)

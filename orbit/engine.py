@@ -1,0 +1,264 @@
+"""The frontend's engine: admits requests into the scheduler, runs the step loop against the
+ranks, and streams each sequence's tokens back to its HTTP handler.
+
+One step is in flight at a time: schedule, send the plan to every rank, wait for rank 0's
+samples, apply them, repeat. Handlers and the loop share one asyncio event loop, so the
+scheduler is never touched from two places at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from proto import wire_pb2
+from runtime import sampling
+from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
+
+from orbit.rank_link import RankFailure, RankLink
+
+log = logging.getLogger("orbit.engine")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means off
+    seed: int | None = None
+    logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob and k alternatives
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]]
+    finish_reason: str | None  # None while running; "stop" (EOS) or "length" on the last event
+
+
+class EngineError(Exception):
+    """The ranks failed or the engine stopped; requests cannot be served (503)."""
+
+
+class EngineNotReady(EngineError):
+    """The ranks are still starting (503)."""
+
+
+class RequestTooLarge(ValueError):
+    """A request that can never fit the package's prepared capacities (400)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_name: str
+    max_seq_len: int
+    max_batch: int
+    page_size: int
+    max_step_tokens: int
+    eos_token_ids: tuple[int, ...]
+    step_timeout_s: float = 60.0
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, link: RankLink, tokenizer):
+        self.config = config
+        self.link = link
+        self.tokenizer = tokenizer
+        self.scheduler: Scheduler | None = None
+        self._streams: dict[int, asyncio.Queue] = {}
+        self._wake = asyncio.Event()
+        self._seq_ids = itertools.count(1)
+        self._ready = False
+        self._error: EngineError | None = None
+        self._stopping = False
+        self.steps = 0
+        self.step_seconds = 0.0
+
+    # ---- the interface the HTTP layer uses ---------------------------------------------------
+    @property
+    def model_name(self) -> str:
+        return self.config.model_name
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        return list(self.config.eos_token_ids)
+
+    def is_ready(self) -> bool:
+        return self._ready and self._error is None and not self._stopping
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
+        """Yield one TokenEvent per generated token. Closing the iterator early aborts the
+        sequence; its KV pages are released with the next step."""
+        self._check_serving()
+        seq = self._sequence(prompt_ids, params)
+        try:
+            self.scheduler.add(seq)
+        except CapacityError as e:
+            raise RequestTooLarge(str(e)) from None
+        queue: asyncio.Queue = asyncio.Queue()
+        self._streams[seq.seq_id] = queue
+        self._wake.set()
+        try:
+            while True:
+                event = await queue.get()
+                if isinstance(event, Exception):
+                    raise event
+                yield event
+                if event.finish_reason is not None:
+                    return
+        finally:
+            self._streams.pop(seq.seq_id, None)
+            if seq.status is not Status.FINISHED and self.scheduler is not None:
+                self.scheduler.abort(seq)
+                self._wake.set()
+
+    def metrics_text(self) -> str:
+        s = self.scheduler
+        lines = [
+            "# TYPE orbit_ready gauge",
+            f"orbit_ready {int(self.is_ready())}",
+        ]
+        if s is not None:
+            lines += [
+                "# TYPE orbit_queue_length gauge",
+                f"orbit_queue_length {len(s.waiting)}",
+                "# TYPE orbit_running_sequences gauge",
+                f"orbit_running_sequences {len(s.running)}",
+                "# TYPE orbit_kv_pages_in_use gauge",
+                f"orbit_kv_pages_in_use {s.pages_in_use}",
+                "# TYPE orbit_kv_pages_total gauge",
+                f"orbit_kv_pages_total {s.config.num_pages}",
+                "# TYPE orbit_preemptions_total counter",
+                f"orbit_preemptions_total {s.num_preemptions}",
+            ]
+        lines += [
+            "# TYPE orbit_steps_total counter",
+            f"orbit_steps_total {self.steps}",
+            "# TYPE orbit_step_seconds_total counter",
+            f"orbit_step_seconds_total {self.step_seconds:.6f}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self, ready_timeout_s: float) -> None:
+        """Wait for every rank, then size the scheduler from the smallest KV pool."""
+        await self.link.wait_ready(ready_timeout_s)
+        c = self.config
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_pages=self.link.num_kv_pages, page_size=c.page_size, max_batch=c.max_batch,
+            max_step_tokens=c.max_step_tokens, max_seq_len=c.max_seq_len,
+        ))
+        self._ready = True
+
+    def begin_stopping(self) -> None:
+        """Refuse new requests; running ones continue until they finish."""
+        self._stopping = True
+
+    @property
+    def idle(self) -> bool:
+        return not self._streams
+
+    def fail(self, error: EngineError) -> None:
+        """End every request with `error`; the engine serves nothing more."""
+        if self._error is None:
+            self._error = error
+            if not self._stopping:
+                log.error("engine failed: %s", error)
+        for queue in self._streams.values():
+            queue.put_nowait(error)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """The step loop; returns when the engine fails or is closed."""
+        while self._error is None:
+            step = self.scheduler.schedule()
+            if step is None:
+                await self._wake.wait()
+                self._wake.clear()
+                continue
+            try:
+                result = await self._execute(step)
+            except RankFailure as e:
+                self.fail(EngineError(str(e)))
+                return
+            self._deliver(step, result)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check_serving(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._stopping:
+            raise EngineError("the server is shutting down")
+        if not self._ready:
+            raise EngineNotReady("the model is still loading")
+
+    def _sequence(self, prompt_ids: list[int], p: SamplingParams) -> Sequence:
+        if not prompt_ids:
+            raise RequestTooLarge("the prompt is empty")
+        seed = p.seed if p.seed is not None else secrets.randbits(62)
+        return Sequence(
+            seq_id=next(self._seq_ids),
+            prompt_ids=list(prompt_ids),
+            max_tokens=p.max_tokens,
+            sampling=sampling.SamplingParams(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed % (1 << 63),
+                num_logprobs=-1 if p.logprobs is None else p.logprobs,
+            ),
+            stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids),
+        )
+
+    async def _execute(self, step: Step) -> wire_pb2.StepResult:
+        t0 = time.perf_counter()
+        result = await self.link.run_step(_plan(step), self.config.step_timeout_s)
+        self.steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return result
+
+    def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
+        samples = {s.seq_id: s for s in result.samples}
+        for seq in self.scheduler.apply(step, {k: s.token_id for k, s in samples.items()}):
+            queue = self._streams.get(seq.seq_id)
+            if queue is None:
+                continue
+            s = samples[seq.seq_id]
+            asked = seq.sampling.num_logprobs >= 0
+            queue.put_nowait(TokenEvent(
+                token_id=s.token_id,
+                logprob=s.logprob if asked else None,
+                top_logprobs=list(zip(s.top_token_ids, s.top_logprobs)),
+                finish_reason=seq.finish_reason,
+            ))
+
+
+def _plan(step: Step) -> wire_pb2.StepPlan:
+    plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
+    for c in step.chunks:
+        if c.is_new:
+            p = c.seq.sampling
+            plan.new_seqs.append(wire_pb2.NewSequence(seq_id=c.seq.seq_id, sampling=wire_pb2.SamplingParams(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                num_logprobs=p.num_logprobs,
+            )))
+        plan.seqs.append(wire_pb2.SeqStep(
+            seq_id=c.seq.seq_id, token_ids=c.token_ids, start_pos=c.start_pos,
+            new_pages=c.new_pages, sample=c.sample,
+        ))
+    return plan

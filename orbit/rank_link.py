@@ -1,0 +1,151 @@
+"""The frontend's side of the ZeroMQ link to its ranks: one ROUTER socket, one DEALER per rank.
+
+A background reader takes every message from the ranks: step results resolve the step's
+future, heartbeats refresh each rank's last-seen time, and a Failure fails everything waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from proto import wire_pb2
+
+MAX_MESSAGE_BYTES = 64 << 20
+
+
+class RankFailure(Exception):
+    """A rank failed, exited or stopped answering; the TP group cannot continue."""
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    hello: wire_pb2.Hello | None = None
+    ready: wire_pb2.Ready | None = None
+    last_seen: float = 0.0
+
+
+class RankLink:
+    def __init__(self, tp_size: int, bind_host: str = "127.0.0.1", port: int = 0):
+        self.tp_size = tp_size
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if port:
+            self.sock.bind(f"tcp://{bind_host}:{port}")
+        else:
+            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.endpoint = f"tcp://{bind_host}:{port}"
+        self.ranks = [RankInfo(r) for r in range(tp_size)]
+        self._all_ready = asyncio.Event()
+        self._pending: dict[int, tuple[asyncio.Future, list[wire_pb2.StepResult | None]]] = {}
+        self.failure: RankFailure | None = None
+        self._reader: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+
+    @property
+    def num_kv_pages(self) -> int:
+        return min(r.ready.num_kv_pages for r in self.ranks)
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        try:
+            await asyncio.wait_for(self._wait_ready(), timeout_s)
+        except TimeoutError:
+            missing = [r.rank for r in self.ranks if r.ready is None]
+            raise RankFailure(f"ranks {missing} were not ready within {timeout_s:.0f} s") from None
+
+    async def _wait_ready(self) -> None:
+        while not self._all_ready.is_set():
+            if self.failure:
+                raise self.failure
+            await asyncio.sleep(0.05)
+        if self.failure:
+            raise self.failure
+
+    async def run_step(self, plan: wire_pb2.StepPlan, timeout_s: float) -> wire_pb2.StepResult:
+        """Send the plan to every rank; return rank 0's result once all ranks answered."""
+        if self.failure:
+            raise self.failure
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[plan.step_id] = (fut, [None] * self.tp_size)
+        data = wire_pb2.ToRank(step=plan).SerializeToString()
+        try:
+            for r in range(self.tp_size):
+                await self.sock.send_multipart([_identity(r), data])
+            return await asyncio.wait_for(fut, timeout_s)
+        except zmq.ZMQError as e:
+            self.fail(RankFailure(f"cannot send to a rank: {e}"))
+            raise self.failure from None
+        except TimeoutError:
+            self.fail(RankFailure(f"step {plan.step_id} got no answer within {timeout_s:.0f} s"))
+            raise self.failure from None
+        finally:
+            self._pending.pop(plan.step_id, None)
+
+    def fail(self, failure: RankFailure) -> None:
+        if self.failure is None:
+            self.failure = failure
+        for fut, _ in self._pending.values():
+            if not fut.done():
+                fut.set_exception(self.failure)
+
+    async def _read_forever(self) -> None:
+        while True:
+            identity, data = await self.sock.recv_multipart()
+            msg = wire_pb2.FromRank()
+            try:
+                msg.ParseFromString(data)
+            except Exception:  # a malformed message is dropped, never interpreted
+                continue
+            self._handle(msg)
+
+    def _handle(self, msg: wire_pb2.FromRank) -> None:
+        kind = msg.WhichOneof("kind")
+        body = getattr(msg, kind)
+        if not 0 <= body.rank < self.tp_size:
+            return
+        info = self.ranks[body.rank]
+        info.last_seen = time.monotonic()
+        if kind == "hello":
+            info.hello = body
+        elif kind == "ready":
+            info.ready = body
+            if all(r.ready is not None for r in self.ranks):
+                self._all_ready.set()
+        elif kind == "failure":
+            self.fail(RankFailure(f"rank {body.rank} failed: {body.message}"))
+        elif kind == "result":
+            entry = self._pending.get(body.step_id)
+            if entry is None:
+                return
+            fut, results = entry
+            results[body.rank] = body
+            if all(r is not None for r in results) and not fut.done():
+                fut.set_result(results[0])
+
+    async def shutdown(self, reason: str) -> None:
+        data = wire_pb2.ToRank(shutdown=wire_pb2.Shutdown(reason=reason)).SerializeToString()
+        for r in range(self.tp_size):
+            try:
+                await self.sock.send_multipart([_identity(r), data], flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass  # that rank never connected or is gone
+
+    def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+def _identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()

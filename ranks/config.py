@@ -1,0 +1,40 @@
+"""The rank's settings, built once from its command line."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankConfig:
+    package: str  # package directory
+    rank: int
+    tp_size: int
+    frontend: str  # ZeroMQ endpoint of the frontend's ROUTER, e.g. tcp://127.0.0.1:5555
+    dist_init: str  # torch.distributed init method, e.g. tcp://127.0.0.1:29500
+    device: str  # "cpu" or "cuda"
+    kv_pages: int  # 0: size from free memory (cuda) or from kv_cache_mb (cpu)
+    kv_cache_mb: int
+    heartbeat_s: float
+    threads: int  # torch intra-op threads on CPU; 0 leaves torch's default
+
+    @classmethod
+    def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
+        p = argparse.ArgumentParser(prog="python -m ranks", description=__doc__)
+        p.add_argument("--package", required=True)
+        p.add_argument("--rank", type=int, required=True)
+        p.add_argument("--tp-size", type=int, required=True)
+        p.add_argument("--frontend", required=True)
+        p.add_argument("--dist-init", required=True)
+        p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+        p.add_argument("--kv-pages", type=int, default=0)
+        p.add_argument("--kv-cache-mb", type=int, default=512)
+        p.add_argument("--heartbeat-s", type=float, default=1.0)
+        p.add_argument("--threads", type=int, default=0)
+        a = p.parse_args(argv)
+        return cls(
+            package=a.package, rank=a.rank, tp_size=a.tp_size, frontend=a.frontend,
+            dist_init=a.dist_init, device=a.device, kv_pages=a.kv_pages,
+            kv_cache_mb=a.kv_cache_mb, heartbeat_s=a.heartbeat_s, threads=a.threads,
+        )

@@ -1,0 +1,156 @@
+"""The rank's life: connect, load, join the TP group, report ready, execute steps until told
+to stop. Any failure is reported to the frontend as a Failure message before exiting non-zero,
+since a TP group cannot go on without one of its members."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from proto import wire_pb2
+from ranks.config import RankConfig
+from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.layers import TPGroup
+from runtime.model import build_model
+from runtime.package import Package, open_package
+from runtime.runner import ReferenceRunner, SeqInput
+from runtime.sampling import SamplingParams, sample
+
+log = logging.getLogger("orbit.rank")
+
+
+@dataclass
+class SeqState:
+    sampling: SamplingParams
+    pages: list[int] = field(default_factory=list)
+
+
+class Rank:
+    def __init__(self, cfg: RankConfig):
+        self.cfg = cfg
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"rank-{cfg.rank}".encode())
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        self.sock.connect(cfg.frontend)
+        self.seqs: dict[int, SeqState] = {}
+        self.last_step = 0
+        self.parent_pid = os.getppid()
+
+    def send(self, **kind) -> None:
+        self.sock.send(wire_pb2.FromRank(**kind).SerializeToString())
+
+    def start(self) -> None:
+        cfg = self.cfg
+        pkg = open_package(cfg.package)
+        self.send(hello=wire_pb2.Hello(
+            rank=cfg.rank, tp_size=cfg.tp_size, package_digest=pkg.digest, pid=os.getpid(),
+            hostname=socket.gethostname(),
+        ))
+        if pkg.tp_size != cfg.tp_size:
+            raise ValueError(f"the package is for TP {pkg.tp_size}, the rank was started for {cfg.tp_size}")
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        group = self._join_group()
+        self.runner, num_pages = self._load(pkg, group)
+        self.send(ready=wire_pb2.Ready(rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device))
+
+    def _join_group(self) -> TPGroup:
+        cfg = self.cfg
+        if cfg.tp_size > 1:
+            dist.init_process_group(
+                "nccl" if cfg.device == "cuda" else "gloo",
+                init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.tp_size,
+                timeout=timedelta(seconds=120),
+            )
+        return TPGroup(cfg.rank, cfg.tp_size)
+
+    def _load(self, pkg: Package, group: TPGroup):
+        cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
+        if cfg.device == "cuda":
+            from runtime.cuda_runner import build_cuda_runner
+
+            return build_cuda_runner(pkg, group, cfg)
+        model = build_model(spec, pkg.load_shard(cfg.rank), group, caps.max_seq_len)
+        num_pages = cfg.kv_pages
+        if not num_pages:
+            page = KVCacheShape.for_spec(spec, cfg.tp_size, 1, caps.kv_page_size)
+            num_pages = max(1, (cfg.kv_cache_mb << 20) // page.bytes(pkg.dtype))
+        shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
+        return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), num_pages
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while True:
+            if not poller.poll(int(self.cfg.heartbeat_s * 1000)):
+                if os.getppid() != self.parent_pid:
+                    log.warning("the process that started this rank is gone; exiting")
+                    return
+                self.send(heartbeat=wire_pb2.Heartbeat(rank=self.cfg.rank, last_step_id=self.last_step))
+                continue
+            msg = wire_pb2.ToRank()
+            msg.ParseFromString(self.sock.recv())
+            if msg.HasField("shutdown"):
+                return
+            self.send(result=self.execute(msg.step))
+
+    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
+        t0 = time.perf_counter()
+        for seq_id in plan.release_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            p = new.sampling
+            self.seqs[new.seq_id] = SeqState(SamplingParams(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
+                num_logprobs=p.num_logprobs,
+            ))
+        inputs, sampling = [], []
+        for s in plan.seqs:
+            state = self.seqs[s.seq_id]
+            state.pages.extend(s.new_pages)
+            inputs.append(SeqInput(list(s.token_ids), s.start_pos, state.pages, s.sample))
+            if s.sample:
+                sampling.append((s.seq_id, state.sampling, s.start_pos + len(s.token_ids)))
+        logits = self.runner.step(inputs) if inputs else None
+        result = wire_pb2.StepResult(step_id=plan.step_id, rank=self.cfg.rank)
+        if self.cfg.rank == 0 and sampling:
+            drawn = sample(logits, [p for _, p, _ in sampling], [pos for _, _, pos in sampling])
+            for (seq_id, _, _), d in zip(sampling, drawn):
+                result.samples.append(wire_pb2.Sample(
+                    seq_id=seq_id, token_id=d.token_id, logprob=d.logprob,
+                    top_token_ids=[t for t, _ in d.top], top_logprobs=[lp for _, lp in d.top],
+                ))
+        self.last_step = plan.step_id
+        result.execute_s = time.perf_counter() - t0
+        return result
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.sock.close(linger=1000)
+        self.ctx.term()
+
+
+def main(cfg: RankConfig) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    rank = Rank(cfg)
+    try:
+        rank.start()
+        rank.serve()
+    except Exception as e:
+        log.exception("rank %d failed", cfg.rank)
+        rank.send(failure=wire_pb2.Failure(rank=cfg.rank, message=f"{type(e).__name__}: {e}"))
+        rank.close()
+        return 1
+    rank.close()
+    return 0

@@ -1,0 +1,241 @@
+"""Continuous batching over a paged KV cache. Plain CPU code: `schedule()` returns the next
+step, `apply()` takes what the ranks sampled.
+
+How a step is built:
+1. Running sequences that decode (one token each) come first, oldest first. A decode that needs
+   a new page when none is free preempts the youngest running sequence: its pages are freed
+   and it goes back to the front of the queue to be recomputed later (prompt + output so far
+   as a new prefill), so no request is lost.
+2. The remaining token budget (the package's largest prefill chunk) goes to prompts: first
+   those already part-way through their prefill, then waiting ones in arrival order, each in
+   a chunk no longer than what is left. A prompt is admitted only when its chunk's pages are
+   free, so prefill never preempts decodes.
+3. A sequence samples when its chunk reaches the end of its known tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from runtime.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_token_ids: frozenset[int] = frozenset()
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the cache
+    on_rank: bool = False  # the ranks hold its state (page table, sampling)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    arrival: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_pages: int
+    page_size: int
+    max_batch: int
+    max_step_tokens: int
+    max_seq_len: int
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+
+@dataclass
+class SeqChunk:
+    seq: Sequence
+    start_pos: int
+    num_tokens: int
+    new_pages: list[int]
+    sample: bool
+    is_new: bool  # the ranks have no state for it yet
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [self.seq.token(i) for i in range(self.start_pos, self.start_pos + self.num_tokens)]
+
+
+@dataclass
+class Step:
+    step_id: int
+    released: list[int]  # seq ids whose rank state is dropped before the step
+    chunks: list[SeqChunk]
+
+    @property
+    def sampling_chunks(self) -> list[SeqChunk]:
+        return [c for c in self.chunks if c.sample]
+
+
+class CapacityError(ValueError):
+    """A request that can never be served within the package's capacities."""
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig):
+        self.config = config
+        self.free_pages: list[int] = list(range(config.num_pages - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # arrival order
+        self._released: list[int] = []
+        self._arrivals = itertools.count()
+        self._steps = itertools.count(1)
+        self.num_preemptions = 0
+        # Pages granted to a sequence since the ranks last saw it: sent as its new_pages.
+        self._pending_pages: dict[int, int] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        total = len(seq.prompt_ids) + seq.max_tokens
+        if total > self.config.max_seq_len:
+            raise CapacityError(
+                f"prompt ({len(seq.prompt_ids)}) + max_tokens ({seq.max_tokens}) exceeds "
+                f"max_seq_len {self.config.max_seq_len}"
+            )
+        if self.config.pages_for(total) > self.config.num_pages:
+            raise CapacityError(
+                f"the sequence needs {self.config.pages_for(total)} KV pages; the pool has "
+                f"{self.config.num_pages}"
+            )
+        seq.arrival = next(self._arrivals)
+        self.waiting.append(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence; its pages are released with the next step."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        self._finish(seq, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.config.num_pages - len(self.free_pages)
+
+    # ---- building a step -----------------------------------------------------------------
+    def schedule(self) -> Step | None:
+        budget, chunks = self.config.max_step_tokens, []
+        for seq in self._decoding():
+            if seq.status is not Status.RUNNING:
+                continue  # preempted while making room for an older one
+            if not self._reserve(seq, seq.num_computed + 1, preempt=True):
+                continue
+            chunks.append(self._chunk(seq, 1))
+            budget -= 1
+        for seq in self._prefill_candidates():
+            if budget <= 0 or len(chunks) >= self.config.max_batch:
+                break
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._reserve(seq, seq.num_computed + n, preempt=False):
+                break  # keep arrival order: no younger prompt jumps a waiting one
+            if seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+            chunks.append(self._chunk(seq, n))
+            budget -= n
+        released, self._released = self._released, []
+        if not chunks and not released:
+            return None
+        return Step(next(self._steps), released, chunks)
+
+    def _decoding(self) -> list[Sequence]:
+        return [s for s in self.running if s.num_tokens - s.num_computed == 1 and s.num_computed]
+
+    def _prefill_candidates(self) -> list[Sequence]:
+        partial = [s for s in self.running if s.num_tokens - s.num_computed > 1 or not s.num_computed]
+        return partial + list(self.waiting)
+
+    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+        first = not seq.on_rank
+        new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0):]
+        seq.on_rank = True
+        sample = seq.num_computed + n == seq.num_tokens
+        return SeqChunk(seq, seq.num_computed, n, new_pages, sample, first)
+
+    def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
+        """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
+        need = self.config.pages_for(num_tokens) - len(seq.pages)
+        while need > len(self.free_pages):
+            if not preempt:
+                return False
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.pages.extend(self.free_pages.pop() for _ in range(need))
+            self._pending_pages[seq.seq_id] = self._pending_pages.get(seq.seq_id, 0) + need
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.free_pages.extend(reversed(seq.pages))
+        seq.pages = []
+        self._pending_pages.pop(seq.seq_id, None)
+        if seq.on_rank:
+            self._released.append(seq.seq_id)
+            seq.on_rank = False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self._free(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    # ---- results ------------------------------------------------------------------------
+    def apply(self, step: Step, sampled: dict[int, int]) -> list[Sequence]:
+        """Record a step's outcome (seq_id -> sampled token). Returns the sequences that got a
+        token, with finish_reason set on those that are done."""
+        updated = []
+        for c in step.chunks:
+            seq = c.seq
+            if seq.status is not Status.RUNNING:
+                continue  # aborted or preempted while the step ran
+            seq.num_computed = c.start_pos + c.num_tokens
+            if not c.sample:
+                continue
+            token = sampled[seq.seq_id]
+            seq.output_ids.append(token)
+            updated.append(seq)
+            if token in seq.stop_token_ids:
+                self._finish(seq, "stop")
+            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len:
+                self._finish(seq, "length")
+        return updated
