@@ -49,6 +49,7 @@ class LocalRanks:
                 "--frontend", self.frontend, "--dist-init", dist_init,
                 "--device", self.opts.device, "--kv-pages", str(self.opts.kv_pages),
                 "--kv-cache-mb", str(self.opts.kv_cache_mb), "--threads", str(threads),
+                "--exit-with-parent",
             ]
             env = dict(os.environ, PYTHONPATH=_pythonpath())
             if self.opts.device == "cuda":

@@ -7,6 +7,7 @@ future, heartbeats refresh each rank's last-seen time, and a Failure fails every
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -55,6 +56,25 @@ class RankLink:
     @property
     def num_kv_pages(self) -> int:
         return min(r.ready.num_kv_pages for r in self.ranks)
+
+    async def attach(self, timeout_s: float) -> None:
+        """Take over ranks that are already running (started by `orbit up`): send each one
+        Attach until it is reachable, then wait for its Hello and Ready."""
+        msg = wire_pb2.ToRank(attach=wire_pb2.Attach(session_id=secrets.token_hex(8)))
+        data = msg.SerializeToString()
+        deadline = time.monotonic() + timeout_s
+        waiting = set(range(self.tp_size))
+        while waiting and time.monotonic() < deadline:
+            for r in sorted(waiting):
+                try:
+                    await self.sock.send_multipart([_identity(r), data], flags=zmq.NOBLOCK)
+                    waiting.discard(r)
+                except zmq.ZMQError:
+                    pass  # not reconnected yet; ZeroMQ retries the connection on its side
+            await asyncio.sleep(0.05)
+        if waiting:
+            raise RankFailure(f"ranks {sorted(waiting)} did not connect within {timeout_s:.0f} s")
+        await self.wait_ready(max(1.0, deadline - time.monotonic()))
 
     async def wait_ready(self, timeout_s: float) -> None:
         try:

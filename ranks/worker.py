@@ -45,6 +45,8 @@ class Rank:
         self.seqs: dict[int, SeqState] = {}
         self.last_step = 0
         self.parent_pid = os.getppid()
+        self.hello: wire_pb2.Hello | None = None
+        self.ready: wire_pb2.Ready | None = None
 
     def send(self, **kind) -> None:
         self.sock.send(wire_pb2.FromRank(**kind).SerializeToString())
@@ -52,17 +54,19 @@ class Rank:
     def start(self) -> None:
         cfg = self.cfg
         pkg = open_package(cfg.package)
-        self.send(hello=wire_pb2.Hello(
+        self.hello = wire_pb2.Hello(
             rank=cfg.rank, tp_size=cfg.tp_size, package_digest=pkg.digest, pid=os.getpid(),
             hostname=socket.gethostname(),
-        ))
+        )
+        self.send(hello=self.hello)
         if pkg.tp_size != cfg.tp_size:
             raise ValueError(f"the package is for TP {pkg.tp_size}, the rank was started for {cfg.tp_size}")
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         group = self._join_group()
         self.runner, num_pages = self._load(pkg, group)
-        self.send(ready=wire_pb2.Ready(rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device))
+        self.ready = wire_pb2.Ready(rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device)
+        self.send(ready=self.ready)
 
     def _join_group(self) -> TPGroup:
         cfg = self.cfg
@@ -93,16 +97,23 @@ class Rank:
         poller.register(self.sock, zmq.POLLIN)
         while True:
             if not poller.poll(int(self.cfg.heartbeat_s * 1000)):
-                if os.getppid() != self.parent_pid:
+                if self.cfg.exit_with_parent and os.getppid() != self.parent_pid:
                     log.warning("the process that started this rank is gone; exiting")
                     return
                 self.send(heartbeat=wire_pb2.Heartbeat(rank=self.cfg.rank, last_step_id=self.last_step))
                 continue
             msg = wire_pb2.ToRank()
             msg.ParseFromString(self.sock.recv())
-            if msg.HasField("shutdown"):
+            kind = msg.WhichOneof("kind")
+            if kind == "shutdown":
                 return
-            self.send(result=self.execute(msg.step))
+            if kind == "attach":
+                log.info("frontend session %s attached", msg.attach.session_id)
+                self.seqs.clear()
+                self.send(hello=self.hello)
+                self.send(ready=self.ready)
+            elif kind == "step":
+                self.send(result=self.execute(msg.step))
 
     def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
         t0 = time.perf_counter()
