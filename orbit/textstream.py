@@ -29,6 +29,7 @@ class TextStream:
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
         self._max_stop_chars = max((len(s) for s in self._stop), default=0)
+        self._stop_starts = frozenset(s[0] for s in self._stop)
         self._ids: list[int] = []
         self._prefix = 0  # window start: ids before it are fully reflected in _text
         self._read = 0  # ids[_prefix:_read] are the window's context
@@ -107,11 +108,13 @@ class TextStream:
 
     def _held_chars(self) -> int:
         """Length of the longest unreleased suffix that is a proper prefix of a stop string."""
-        longest = min(self._max_stop_chars - 1, len(self._text) - self._released)
-        for n in range(longest, 0, -1):
-            tail = self._text[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                return n
+        end = len(self._text)
+        start = max(self._released, end - self._max_stop_chars + 1)
+        for pos in range(start, end):  # leftmost first: the longest suffix wins
+            if self._text[pos] in self._stop_starts:
+                tail = self._text[pos:]
+                if any(s.startswith(tail) for s in self._stop):
+                    return end - pos
         return 0
 
 
