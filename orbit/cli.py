@@ -8,7 +8,11 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Orbit: prepare a model, bring a cluster up, serve an OpenAI-compatible API.",
+)
 err = Console(stderr=True)
 
 
@@ -37,11 +41,15 @@ def prepare(
         int, typer.Option(help="Per-step token budget (prefill chunk).")
     ] = 2048,
     force: Annotated[bool, typer.Option(help="Replace an existing package at --out.")] = False,
+    sign: Annotated[
+        Path | None, typer.Option(help="Ed25519 private key (orbit keygen) to sign the manifest.")
+    ] = None,
 ) -> None:
     """Turn a checkpoint into a TP-sharded package."""
     from prepare.build import PrepareOptions, prepare_package
     from prepare.source import SourceError
     from runtime.layout import ShardingError
+    from runtime.signing import SignatureError
 
     opts = PrepareOptions(
         tp=tp,
@@ -51,10 +59,11 @@ def prepare(
         kv_page_size=page_size,
         max_step_tokens=max_step_tokens,
         force=force,
+        sign_key=sign,
     )
     try:
         path = prepare_package(model, out, opts)
-    except (SourceError, ShardingError, FileExistsError) as e:
+    except (SourceError, ShardingError, SignatureError, FileExistsError) as e:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted; nothing was written.", code=130)
@@ -63,6 +72,20 @@ def prepare(
 
 def main() -> None:
     app()
+
+
+@app.command()
+def keygen(
+    key: Annotated[Path, typer.Argument(help="Where to write the private key; KEY.pub beside it.")],
+) -> None:
+    """Make an Ed25519 key pair for signing packages (orbit prepare --sign)."""
+    from runtime.signing import SignatureError, generate_keypair
+
+    try:
+        public = generate_keypair(key)
+    except SignatureError as e:
+        fail(str(e))
+    err.print(f"private key: {key} (keep it secret)\npublic key:  {public}")
 
 
 @app.command()
@@ -78,6 +101,13 @@ def serve(
     threads: Annotated[int, typer.Option(help="torch threads per CPU rank; 0: cores / ranks.")] = 0,
     model_name: Annotated[str, typer.Option(help="Name served at /v1/models.")] = "",
     api_key: Annotated[str | None, typer.Option(help="Require this Bearer key.")] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="Read the required Bearer key from this file.")
+    ] = None,
+    trusted_key: Annotated[
+        list[Path] | None,
+        typer.Option(help="Ed25519 public key; repeat for several. Given: refuse unsigned packages."),
+    ] = None,
     drain_timeout: Annotated[float, typer.Option(help="Seconds running requests get on stop.")] = 30.0,
     cache_dir: Annotated[
         Path, typer.Option(help="Where the default model's package is kept.")
@@ -92,6 +122,7 @@ def serve(
     from orbit.serve import ServeOptions
     from orbit.serve import serve as run_serve
     from runtime.package import PackageError
+    from runtime.signing import SignatureError
 
     if device not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, not {device!r}.")
@@ -102,11 +133,18 @@ def serve(
             package = default_package(cache_dir, device)
     except DefaultModelMissing as e:
         fail(str(e))
+    if api_key_file is not None:
+        try:
+            api_key = api_key_file.read_text().strip()
+        except OSError as e:
+            fail(f"cannot read --api-key-file {api_key_file}: {e.strerror}.")
+        if not api_key:
+            fail(f"--api-key-file {api_key_file} is empty.")
     opts = ServeOptions(
         package=package, host=host, port=port, model_name=model_name, api_key=api_key,
-        drain_timeout_s=drain_timeout,
+        drain_timeout_s=drain_timeout, trusted_keys=tuple(trusted_key or ()),
         ranks=LocalRankOptions(device=device, kv_pages=kv_pages, kv_cache_mb=kv_cache_mb,
-                               threads=threads),
+                               threads=threads, trusted_keys=tuple(trusted_key or ())),
     )
 
     def on_ready(engine) -> None:
@@ -115,6 +153,6 @@ def serve(
 
     try:
         code = asyncio.run(run_serve(opts, on_ready=on_ready))
-    except PackageError as e:
+    except (PackageError, SignatureError) as e:
         fail(str(e))
     raise typer.Exit(code)

@@ -20,6 +20,7 @@ class LocalRankOptions:
     kv_pages: int = 0
     kv_cache_mb: int = 512
     threads: int = 0  # torch threads per CPU rank; 0: cores / ranks
+    trusted_keys: tuple[Path, ...] = ()  # passed on: ranks refuse packages not signed by one
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -51,6 +52,8 @@ class LocalRanks:
                 "--kv-cache-mb", str(self.opts.kv_cache_mb), "--threads", str(threads),
                 "--exit-with-parent",
             ]
+            for key in self.opts.trusted_keys:
+                cmd += ["--trusted-key", str(Path(key).resolve())]
             env = dict(os.environ, PYTHONPATH=_pythonpath())
             if self.opts.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)

@@ -19,6 +19,7 @@ from pathlib import Path
 import uvicorn
 
 from orbit.api import create_app
+from orbit.cluster_serve import attach, bind_cluster_link, cluster_target, watch_heartbeats
 from orbit.engine import Engine, EngineConfig, EngineError
 from orbit.local_ranks import LocalRankOptions, LocalRanks
 from orbit.rank_link import RankFailure, RankLink
@@ -38,6 +39,10 @@ class ServeOptions:
     ready_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     log_dir: Path | None = None
+    trusted_keys: tuple[Path, ...] = ()  # non-empty: the package must be signed by one
+    # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
+    # ones (orbit/cluster_serve.py); `package` is then the one cluster.toml names.
+    cluster: Path | None = None
 
 
 class _Server(uvicorn.Server):
@@ -69,14 +74,15 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     """Run until a signal or a rank failure; returns the process exit code."""
     from transformers import AutoTokenizer
 
-    pkg = open_package(opts.package)
+    target = cluster_target(opts.cluster) if opts.cluster else None
+    package = target.package if target else opts.package
+    pkg = open_package(package, trusted_keys=_trusted(opts.trusted_keys))
     tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
     caps = pkg.capacities
     name = opts.model_name or pkg.manifest.source_name
-    link = RankLink(pkg.tp_size)
+    link = bind_cluster_link(target) if target else RankLink(pkg.tp_size)
     link.start()
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
-    ranks = LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts.ranks)
+    ranks = None if target else _local_ranks(opts, pkg, link)
     engine = Engine(EngineConfig(
         model_name=name, max_seq_len=caps.max_seq_len, max_batch=caps.max_batch,
         page_size=caps.kv_page_size, max_step_tokens=caps.max_step_tokens,
@@ -86,9 +92,12 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
         create_app(engine, name, api_key=opts.api_key), host=opts.host, port=opts.port,
         log_level="warning", lifespan="off", timeout_graceful_shutdown=int(opts.drain_timeout_s),
     ), engine)
-    ranks.start()
-    watcher = asyncio.create_task(_watch_ranks(ranks, link, engine))
-    runner = asyncio.create_task(_start_engine(engine, opts, server, on_ready))
+    if ranks:
+        ranks.start()
+        watcher = asyncio.create_task(_watch_ranks(ranks, link, engine))
+    else:
+        watcher = asyncio.create_task(watch_heartbeats(link, engine, target))
+    runner = asyncio.create_task(_start_engine(engine, opts, server, on_ready, target))
     try:
         await server.serve()
     finally:
@@ -96,14 +105,32 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
         engine.fail(EngineError("the server is shutting down"))
         for task in (runner, watcher):
             task.cancel()
-        await link.shutdown("frontend stopping")
-        await asyncio.to_thread(ranks.stop)
+        if ranks:  # cluster ranks outlive this frontend: `orbit down` stops them
+            await link.shutdown("frontend stopping")
+            await asyncio.to_thread(ranks.stop)
         link.close()
     return 1 if link.failure else 0
 
 
-async def _start_engine(engine: Engine, opts: ServeOptions, server: uvicorn.Server, on_ready):
+def _trusted(paths: tuple[Path, ...]) -> list | None:
+    if not paths:
+        return None
+    from runtime.signing import load_public_key
+
+    return [load_public_key(p) for p in paths]
+
+
+def _local_ranks(opts: ServeOptions, pkg, link: RankLink) -> LocalRanks:
+    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
+    return LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts.ranks)
+
+
+async def _start_engine(
+    engine: Engine, opts: ServeOptions, server: uvicorn.Server, on_ready, target=None
+):
     try:
+        if target:
+            await attach(engine.link, target)
         await engine.start(opts.ready_timeout_s)
     except RankFailure as e:
         log.error("%s", e)

@@ -26,6 +26,7 @@ from runtime.package import (
     sha256_file,
     shard_path,
 )
+from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 
 from prepare.model_spec import model_spec_from_config, sliding_window_limit
@@ -42,12 +43,14 @@ class PrepareOptions:
     kv_page_size: int = 16
     max_step_tokens: int = 2048
     force: bool = False
+    sign_key: Path | None = None  # Ed25519 private key: writes manifest.sig
 
 
 def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool = True) -> Path:
     out = Path(out).resolve()
     if out.exists() and not opts.force:
         raise FileExistsError(f"{out} already exists; pass --force to replace it.")
+    signer = load_private_key(opts.sign_key) if opts.sign_key else None
     ckpt = open_checkpoint(Path(model))
     manifest = _manifest_head(ckpt, opts)
     spec = model_spec_from_config(ckpt.config, opts.tp)
@@ -57,7 +60,10 @@ def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool
     try:
         _write_tokenizer(ckpt, tmp, manifest)
         _write_shards(ckpt, tmp, manifest, progress)
-        _write_atomic(tmp / MANIFEST_NAME, manifest.SerializeToString())
+        data = manifest.SerializeToString()
+        if signer is not None:
+            _write_atomic(tmp / SIGNATURE_NAME, sign_manifest(data, signer))
+        _write_atomic(tmp / MANIFEST_NAME, data)
         _replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -23,6 +23,7 @@ from runtime.model import build_model
 from runtime.package import Package, open_package
 from runtime.runner import ReferenceRunner, SeqInput
 from runtime.sampling import SamplingParams, sample
+from runtime.signing import load_public_key
 
 log = logging.getLogger("orbit.rank")
 
@@ -53,7 +54,8 @@ class Rank:
 
     def start(self) -> None:
         cfg = self.cfg
-        pkg = open_package(cfg.package)
+        trusted = [load_public_key(k) for k in cfg.trusted_keys] if cfg.trusted_keys else None
+        pkg = open_package(cfg.package, trusted_keys=trusted)
         self.hello = wire_pb2.Hello(
             rank=cfg.rank, tp_size=cfg.tp_size, package_digest=pkg.digest, pid=os.getpid(),
             hostname=socket.gethostname(),

@@ -178,11 +178,21 @@ def check_manifest(root: Path, m: package_pb2.Manifest) -> None:
     shard_shapes(ModelSpec.from_proto(m.model), m.tp_size)  # raises on a spec that cannot split
 
 
-def open_package(package_dir: Path | str, verify_tokenizer: bool = True) -> Package:
+def open_package(
+    package_dir: Path | str, verify_tokenizer: bool = True, trusted_keys: list | None = None
+) -> Package:
     """Read the manifest and check its structure (and tokenizer files); shards are verified
-    when a rank loads them, so a host checks only the shards it holds."""
+    when a rank loads them, so a host checks only the shards it holds. With trusted_keys
+    (Ed25519 public keys), the manifest must carry a valid signature by one of them."""
     root = Path(package_dir)
     manifest = read_manifest(root)
+    if trusted_keys is not None:
+        from runtime.signing import SignatureError, verify_manifest
+
+        try:
+            verify_manifest(root, (root / MANIFEST_NAME).read_bytes(), trusted_keys)
+        except SignatureError as e:
+            raise PackageError(str(e)) from None
     check_manifest(root, manifest)
     if verify_tokenizer:
         for entry in manifest.tokenizer.files:
