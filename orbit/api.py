@@ -23,10 +23,11 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from orbit import __version__
-from orbit.engine import Engine, EngineError, EngineNotReady, RequestTooLarge
+from orbit.engine import Engine, EngineError, EngineNotReady, EngineOverloaded, RequestTooLarge
 from orbit.errors import (
     ApiError,
     AuthenticationFailed,
@@ -35,6 +36,7 @@ from orbit.errors import (
     ModelNotFound,
     PayloadTooLarge,
     ServiceUnavailable,
+    TooManyRequests,
     install_error_handlers,
 )
 from orbit.metrics import CLIENT_CLOSED_REQUEST, FrontendMetrics, RequestMetricsMiddleware
@@ -80,11 +82,37 @@ def create_app(engine: Engine, served_model_name: str, *, api_key: str | None = 
     app.add_api_route("/version", frontend.version, methods=["GET"], dependencies=guard)
     app.add_api_route("/metrics", frontend.metrics_text, methods=["GET"], dependencies=guard)
     app.add_api_route("/v1/models", frontend.models, methods=["GET"], dependencies=guard)
-    app.add_api_route("/v1/completions", frontend.completions, methods=["POST"], dependencies=guard)
     app.add_api_route(
-        "/v1/chat/completions", frontend.chat_completions, methods=["POST"], dependencies=guard
+        "/v1/completions", frontend.completions, methods=["POST"], dependencies=guard,
+        openapi_extra=_json_body(CompletionRequest),
+    )
+    app.add_api_route(
+        "/v1/chat/completions", frontend.chat_completions, methods=["POST"], dependencies=guard,
+        openapi_extra=_json_body(ChatCompletionRequest),
     )
     return app
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """The request schema for /openapi.json: the routes parse their bodies themselves (to
+    answer malformed input with 400, not 422), so FastAPI cannot infer it."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": _inline_refs(schema, schema.pop("$defs", {}))}
+    }}}
+
+
+def _inline_refs(node, defs: dict):
+    """Replace pydantic's local $refs with their definitions (the request models have no
+    recursive types), so the schema stands alone inside the OpenAPI document."""
+    if isinstance(node, dict):
+        ref = node.get("$ref", "")
+        if ref.startswith("#/$defs/"):
+            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
+        return {k: _inline_refs(v, defs) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline_refs(v, defs) for v in node]
+    return node
 
 
 def _bearer_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -348,6 +376,8 @@ def _engine_refusal(call_id: str, exc: EngineError | RequestTooLarge) -> ApiErro
     logger.warning("request %s failed in the engine: %s", call_id, exc)
     if isinstance(exc, EngineNotReady):
         return ServiceUnavailable("The engine is not ready.")
+    if isinstance(exc, EngineOverloaded):
+        return TooManyRequests("The server is overloaded: its request queue is full; retry later.")
     return ServiceUnavailable("The engine failed while serving the request; retry later.")
 
 

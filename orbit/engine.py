@@ -52,6 +52,10 @@ class EngineNotReady(EngineError):
     """The ranks are still starting (503)."""
 
 
+class EngineOverloaded(EngineError):
+    """The admission queue is full (429 with Retry-After)."""
+
+
 class RequestTooLarge(ValueError):
     """A request that can never fit the package's prepared capacities (400)."""
 
@@ -65,6 +69,9 @@ class EngineConfig:
     max_step_tokens: int
     eos_token_ids: tuple[int, ...]
     step_timeout_s: float = 60.0
+    # Requests waiting for their first step beyond this are refused with 429, so a flood
+    # costs bounded memory.
+    max_queue: int = 1024
 
 
 class Engine:
@@ -108,6 +115,8 @@ class Engine:
         """Yield one TokenEvent per generated token. Closing the iterator early aborts the
         sequence; its KV pages are released with the next step."""
         self._check_serving()
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already queued")
         seq = self._sequence(prompt_ids, params)
         try:
             self.scheduler.add(seq)

@@ -74,12 +74,18 @@ class ServiceUnavailable(ApiError):
     default_code = "service_unavailable"
 
 
+class TooManyRequests(ApiError):
+    status_code = 429
+    error_type = "rate_limit_error"
+    default_code = "server_overloaded"
+
+
 def error_body(message: str, error_type: str, param: str | None, code: str | None) -> dict:
     return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status_code == 503 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status_code in (429, 503) else None
     return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
 
 

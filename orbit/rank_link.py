@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
+from zmq.auth.asyncio import AsyncioAuthenticator
 
+from orbit.curve import ServerKeys, require_curve, secure_server
 from proto import wire_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
@@ -32,10 +34,22 @@ class RankInfo:
 
 
 class RankLink:
-    def __init__(self, tp_size: int, bind_host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, tp_size: int, bind_host: str = "127.0.0.1", port: int = 0,
+                 curve: ServerKeys | None = None):
+        """With curve keys, only ranks holding an allowed client key can connect, and the
+        traffic is encrypted. Construct inside a running event loop (the authenticator is an
+        asyncio task)."""
         self.tp_size = tp_size
         self.ctx = zmq.asyncio.Context()
+        self.auth: AsyncioAuthenticator | None = None
+        if curve is not None:
+            require_curve()
+            self.auth = AsyncioAuthenticator(self.ctx)
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
         self.sock = self.ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            secure_server(self.sock, curve)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -111,6 +125,14 @@ class RankLink:
         finally:
             self._pending.pop(plan.step_id, None)
 
+    def silent_ranks(self, silence_s: float) -> list[int]:
+        """Ranks not heard from for silence_s while no step is in flight. Ranks heartbeat only
+        when idle; a step in flight is bounded by its own timeout instead."""
+        if self._pending:
+            return []
+        now = time.monotonic()
+        return [r.rank for r in self.ranks if now - r.last_seen > silence_s]
+
     def fail(self, failure: RankFailure) -> None:
         if self.failure is None:
             self.failure = failure
@@ -164,6 +186,8 @@ class RankLink:
         if self._reader:
             self._reader.cancel()
         self.sock.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
 
 

@@ -20,6 +20,7 @@ class RankConfig:
     threads: int  # torch intra-op threads on CPU; 0 leaves torch's default
     exit_with_parent: bool  # local ranks of `orbit serve` end when the frontend process does
     trusted_keys: tuple[str, ...]  # Ed25519 public keys; non-empty: the package must be signed
+    curve_dir: str  # "": plain link (loopback); else client.key_secret + server.key for CURVE
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
@@ -36,10 +37,12 @@ class RankConfig:
         p.add_argument("--threads", type=int, default=0)
         p.add_argument("--exit-with-parent", action="store_true")
         p.add_argument("--trusted-key", action="append", default=[])
+        p.add_argument("--curve-dir", default="")
         a = p.parse_args(argv)
         return cls(
             package=a.package, rank=a.rank, tp_size=a.tp_size, frontend=a.frontend,
             dist_init=a.dist_init, device=a.device, kv_pages=a.kv_pages,
             kv_cache_mb=a.kv_cache_mb, heartbeat_s=a.heartbeat_s, threads=a.threads,
             exit_with_parent=a.exit_with_parent, trusted_keys=tuple(a.trusted_key),
+            curve_dir=a.curve_dir,
         )

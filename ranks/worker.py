@@ -7,14 +7,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import zmq
 
+from orbit.curve import ClientKeys, secure_client
 from proto import wire_pb2
 from ranks.config import RankConfig
 from runtime.kv_cache import KVCache, KVCacheShape
@@ -42,12 +45,15 @@ class Rank:
         self.sock.setsockopt(zmq.IDENTITY, f"rank-{cfg.rank}".encode())
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+        if cfg.curve_dir:
+            secure_client(self.sock, ClientKeys.load(Path(cfg.curve_dir)))
         self.sock.connect(cfg.frontend)
         self.seqs: dict[int, SeqState] = {}
         self.last_step = 0
         self.parent_pid = os.getppid()
         self.hello: wire_pb2.Hello | None = None
         self.ready: wire_pb2.Ready | None = None
+        self.closing = threading.Event()
 
     def send(self, **kind) -> None:
         self.sock.send(wire_pb2.FromRank(**kind).SerializeToString())
@@ -94,6 +100,23 @@ class Rank:
         shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
         return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), num_pages
 
+    def start_heartbeats(self) -> None:
+        """Heartbeat from a thread with its own socket, so that the frontend hears from this
+        rank during long steps too, and notices within seconds when it is stopped or hung."""
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+
+    def _heartbeat_loop(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, f"rank-{self.cfg.rank}-heartbeat".encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.cfg.curve_dir:
+            secure_client(sock, ClientKeys.load(Path(self.cfg.curve_dir)))
+        sock.connect(self.cfg.frontend)
+        while not self.closing.wait(self.cfg.heartbeat_s):
+            beat = wire_pb2.Heartbeat(rank=self.cfg.rank, last_step_id=self.last_step)
+            sock.send(wire_pb2.FromRank(heartbeat=beat).SerializeToString())
+        sock.close()
+
     def serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -102,7 +125,6 @@ class Rank:
                 if self.cfg.exit_with_parent and os.getppid() != self.parent_pid:
                     log.warning("the process that started this rank is gone; exiting")
                     return
-                self.send(heartbeat=wire_pb2.Heartbeat(rank=self.cfg.rank, last_step_id=self.last_step))
                 continue
             msg = wire_pb2.ToRank()
             msg.ParseFromString(self.sock.recv())
@@ -148,6 +170,7 @@ class Rank:
         return result
 
     def close(self) -> None:
+        self.closing.set()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.sock.close(linger=1000)
@@ -157,6 +180,7 @@ class Rank:
 def main(cfg: RankConfig) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
     rank = Rank(cfg)
+    rank.start_heartbeats()
     try:
         rank.start()
         rank.serve()
