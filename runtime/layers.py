@@ -8,23 +8,43 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from runtime import cuda_ops
+from runtime.rope import apply_rope
+
+
+def _fused_kernels(x: torch.Tensor) -> bool:
+    """Whether x takes the fused CUDA kernels (runtime/cuda_ops.py) rather than plain PyTorch:
+    half-precision CUDA tensors only, so float32 runs, CPU or GPU, stay the reference."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
 
 class TPGroup:
-    """This rank's place in the tensor-parallel group; size 1 runs without torch.distributed."""
+    """This rank's place in the tensor-parallel group; size 1 runs without torch.distributed.
 
-    def __init__(self, rank: int = 0, size: int = 1):
+    `always_communicate` makes a size-1 group still call the collectives (it then needs a
+    world-size-1 process group): the GPU tests use it to capture NCCL calls in CUDA graphs on
+    one GPU, exactly as TP > 1 does.
+    """
+
+    def __init__(self, rank: int = 0, size: int = 1, always_communicate: bool = False):
         self.rank, self.size = rank, size
+        self.communicates = size > 1 or always_communicate
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.communicates:
             dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., n] on each rank -> [..., size * n], rank-ordered."""
-        if self.size == 1:
+        """[tokens, n] on each rank -> [tokens, size * n], rank-ordered."""
+        if not self.communicates:
             return x
         x = x.contiguous()
+        if x.is_cuda:  # NCCL gathers into one tensor (gloo has no all_gather_into_tensor)
+            out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(out, x)  # [size * tokens, n], rank-major
+            out = out.view(self.size, x.shape[0], x.shape[1]).transpose(0, 1)
+            return out.reshape(x.shape[0], self.size * x.shape[1])
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x)
         return torch.cat(parts, dim=-1)
@@ -37,9 +57,39 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_kernels(x) and x.dim() == 2 and x.is_contiguous():
+            return cuda_ops.rms_norm(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
+
+    def add_forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add fused with the norm after it: returns (norm(s), s) with
+        s = x + residual (s = x when residual is None). On CUDA one kernel does both, in place."""
+        if residual is None:
+            return self(x), x
+        if _fused_kernels(x) and x.is_contiguous() and residual.is_contiguous():
+            cuda_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        residual = x + residual
+        return self(residual), residual
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """RoPE on q [T, hq, hd] and k [T, hkv, hd]; cos, sin [T, hd]. Returns new (q, k)."""
+    if _fused_kernels(q):
+        return cuda_ops.rope_qk(q, k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2 I] holding [gate | up] -> silu(gate) * up, [T, I]."""
+    if _fused_kernels(gate_up):
+        return cuda_ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class Linear(nn.Module):
@@ -76,7 +126,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = group.rank * vocab_local
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.group.size == 1:
+        if not self.group.communicates:
             return F.embedding(ids, self.weight)
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])

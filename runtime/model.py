@@ -2,13 +2,18 @@
 
 Reads like the architecture; the tensor-parallel collectives are the all-reduces inside
 RowParallelLinear and VocabParallelEmbedding and the all-gather inside ParallelLMHead.
-Attention goes through the step's attention object (ReferenceAttention on CPU).
+Attention goes through the step's attention object (ReferenceAttention on CPU, the FlashInfer
+ones of runtime/cuda_attention.py on GPU).
+
+The residual stream is carried beside each layer's output, so that every "add the residual,
+then normalise" pair is one call (one kernel on CUDA): layer i returns (its MLP output, the
+stream before that output), and layer i+1's attn_norm.add_forward adds them. The sums are the
+same ones, in the same precision, as h = x + attn(norm(x)); h + mlp(norm(h)).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.layers import (
@@ -18,8 +23,10 @@ from runtime.layers import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
+    rotary,
+    silu_and_mul,
 )
-from runtime.rope import apply_rope, cos_sin_table
+from runtime.rope import cos_sin_table
 from runtime.spec import ModelSpec
 
 
@@ -43,9 +50,13 @@ class DecoderLayer(nn.Module):
         self.gate_up = Linear(h, 2 * inter)
         self.down = RowParallelLinear(inter, h, group)
 
-    def forward(self, x, cos, sin, attn) -> torch.Tensor:
-        h = x + self.attention(self.attn_norm(x), cos, sin, attn)
-        return h + self.mlp(self.mlp_norm(h))
+    def forward(self, x, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (the embedding, with residual None, for layer 0);
+        residual: the stream before it. Returns (this layer's MLP output, the stream before it)."""
+        x, residual = self.attn_norm.add_forward(x, residual)
+        x = self.attention(x, cos, sin, attn)
+        x, residual = self.mlp_norm.add_forward(x, residual)
+        return self.mlp(x), residual
 
     def attention(self, x, cos, sin, attn) -> torch.Tensor:
         n, hd = x.shape[0], self.head_dim
@@ -57,13 +68,12 @@ class DecoderLayer(nn.Module):
         v = v.view(n, self.num_kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rotary(q, k, cos, sin)
         o = attn.attend(self.index, q, k, v)  # [n, heads, hd]
         return self.o(o.reshape(n, self.num_heads * hd))
 
     def mlp(self, x) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(silu_and_mul(self.gate_up(x)))
 
 
 class Transformer(nn.Module):
@@ -81,12 +91,12 @@ class Transformer(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         """Hidden states after the final norm for every token: [num_tokens, hidden]."""
-        x = self.embed(token_ids)
+        x, residual = self.embed(token_ids), None
         cos = self.rope_cos[positions].to(x.dtype)
         sin = self.rope_sin[positions].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm.add_forward(x, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_tokens, hidden] -> [num_tokens, vocab] float32, identical on every rank."""

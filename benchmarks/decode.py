@@ -1,0 +1,304 @@
+"""Decode throughput and time to first token of one rank on one GPU, against rooflines
+measured in the same run and against transformers' generate() at batch 1 on the same GPU.
+
+    python -m benchmarks.decode --out DIR            # Llama-3.1-8B architecture, random bf16
+
+The model is built from a config alone: transformers' model (random init) for the generate()
+baseline, then Orbit's shard tensors, shaped by runtime/layout.py as a package's rank-0 shard
+is, drawn at random in GPU memory (writing and hashing 16 GB of safetensors would only add
+minutes; Package.load_shard(rank, "cuda") is the loading path a rank uses). The rank-level
+runner (runtime/cuda_runner.py) is driven as a rank drives it: SeqInput steps, greedy argmax
+fed back each step. `--serve` is reserved for driving `orbit serve` over HTTP once the
+frontend exists; until then the benchmark measures the rank alone.
+
+Rooflines: a decode step must read every weight once (all but the embedding table, of which
+it reads one row per sequence) plus each sequence's KV, and write the float32 logits; over the
+device-to-device copy bandwidth measured here (bytes read + written per second) that gives the
+memory floor; FLOPs (2 per weight per token, plus attention) over the measured bf16 matmul rate
+give the compute floor; the roofline is the larger. Prefill likewise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from runtime.runner import SeqInput
+
+LLAMA_31_8B = {
+    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+    },
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--layers", type=int, default=32, help="fewer for a quick check")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--prompts", default="128,512,2048", help="TTFT prompt lengths")
+    p.add_argument("--context", type=int, default=512, help="tokens in each sequence's cache")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
+    p.add_argument("--hf-tokens", type=int, default=32, help="generate() tokens timed")
+    p.add_argument("--kv-fraction", type=float, default=0.9)
+    p.add_argument("--profile", action="store_true", help="write per-kernel times")
+    p.add_argument("--serve", action="store_true", help="through orbit serve (not yet)")
+    return p.parse_args(argv)
+
+
+# ---- ceilings measured in this run ------------------------------------------------------
+
+
+def median_ms(fn, iters: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy."""
+    src = torch.randn(2**29, device="cuda")  # 2 GiB of float32
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * 4 / (ms / 1e3)
+
+
+def matmul_rate() -> float:
+    """bf16 FLOP/s of an 8192^3 matrix product on random data."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    ms = median_ms(lambda: a @ b)
+    return 2 * 8192**3 / (ms / 1e3)
+
+
+# ---- the model --------------------------------------------------------------------------
+
+
+def hf_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers})
+
+
+def transformers_generate_rate(config, new_tokens: int) -> float:
+    """Decode tokens/s of transformers' generate() at batch 1 (greedy, default cache), from
+    the difference of a 1-token and an (n+1)-token call after a 128-token prompt."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    ids = torch.randint(config.vocab_size, (1, 128), device="cuda")
+    _generate_s(model, ids, 4)  # warm-up
+    rate = new_tokens / (_generate_s(model, ids, new_tokens + 1) - _generate_s(model, ids, 1))
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rate
+
+
+def _generate_s(model, ids: torch.Tensor, new_tokens: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def random_shard(spec) -> dict[str, torch.Tensor]:
+    """Rank 0's shard tensors (runtime/layout.py shapes), random bf16 on the GPU."""
+    from runtime.layout import shard_shapes
+
+    torch.manual_seed(0)
+    out = {}
+    for name, shape in shard_shapes(spec, 1).items():
+        t = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        out[name] = t.normal_(1.0, 0.1) if "norm" in name else t.normal_(0.0, 0.02)
+    return out
+
+
+def build_runner(spec, tensors, args):
+    from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
+    from runtime.layers import TPGroup
+    from runtime.model import build_model
+    from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
+
+    caps = Capacities(
+        max_seq_len=4096, max_batch=max(int(b) for b in args.batches.split(",")),
+        kv_page_size=16, decode_batch_buckets=default_decode_buckets(256),
+        prefill_chunk_sizes=default_prefill_chunks(2048),
+    )
+    model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda")
+    t0 = time.perf_counter()
+    runner = CudaGraphRunner(model, caps, CudaRunnerOptions(kv_fraction=args.kv_fraction))
+    t1 = time.perf_counter()
+    runner.capture()
+    t2 = time.perf_counter()
+    return runner, {"size_and_warm_up_s": t1 - t0, "capture_s": t2 - t1}
+
+
+# ---- measurements -----------------------------------------------------------------------
+
+
+def weight_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for n, t in tensors.items() if n != "embed.weight")
+
+
+def kv_bytes_per_token(spec) -> int:
+    return spec.num_layers * 2 * spec.num_kv_heads * spec.head_dim * 2
+
+
+def measure_decode(runner, spec, tensors, batch: int, args, bw: float, flops: float) -> dict:
+    ps = runner.page_size
+    per_seq = -(-(args.context + args.steps + 8) // ps)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+    tokens = torch.randint(spec.vocab_size, (batch,)).tolist()
+
+    def one(pos: int) -> None:
+        nonlocal tokens
+        logits = runner.step([SeqInput([t], pos, tab, True) for t, tab in zip(tokens, tables)])
+        tokens = logits.argmax(dim=-1).tolist()
+
+    for s in range(8):
+        one(args.context + s)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for s in range(args.steps):
+        one(args.context + 8 + s)
+    loop_s = (time.perf_counter() - t0) / args.steps
+    bucket = next(b for b in runner.buckets if b >= batch)
+    graph_s = median_ms(runner.decode_graphs[bucket].replay, 50) / 1e3
+    avg_ctx = args.context + 8 + args.steps / 2
+    mem_bytes = (weight_bytes(tensors) + batch * avg_ctx * kv_bytes_per_token(spec)
+                 + batch * spec.vocab_size * 4)
+    params = weight_bytes(tensors) / 2  # bf16
+    step_flops = batch * (2 * params + 4 * avg_ctx * spec.num_heads * spec.head_dim * spec.num_layers)
+    floor_s = max(mem_bytes / bw, step_flops / flops)
+    return {
+        "batch": batch, "bucket": bucket, "context": args.context,
+        "tokens_per_s": batch / loop_s, "step_ms": loop_s * 1e3, "graph_replay_ms": graph_s * 1e3,
+        "host_overhead_frac": max(0.0, 1 - graph_s / loop_s),
+        "roofline_tokens_per_s": batch / floor_s, "roofline_frac": floor_s / loop_s,
+        "bound": "memory" if mem_bytes / bw >= step_flops / flops else "compute",
+        "bytes_per_step": mem_bytes,
+    }
+
+
+def measure_ttft(runner, spec, tensors, length: int, bw: float, flops: float) -> dict:
+    pages = list(range(-(-length // runner.page_size)))
+    prompt = torch.randint(spec.vocab_size, (length,)).tolist()
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        int(runner.step([SeqInput(prompt, 0, pages, True)])[0].argmax())
+        times.append(time.perf_counter() - t0)
+    ttft = statistics.median(times[1:])
+    attn = 2 * length * length * spec.head_dim * spec.num_heads * spec.num_layers
+    lm_head = spec.padded_vocab_size * spec.hidden_size * 2  # bf16 bytes of the LM head
+    params = (weight_bytes(tensors) - lm_head) / 2  # bf16; the LM head runs for one token
+    prefill_flops = 2 * params * length + attn
+    floor = max(prefill_flops / flops, weight_bytes(tensors) / bw)
+    return {"prompt_tokens": length, "ttft_ms": ttft * 1e3, "roofline_ms": floor * 1e3,
+            "roofline_frac": floor / ttft}
+
+
+def profile_text(runner, spec, tensors, args) -> str:
+    """Per-kernel GPU time of the batch-1 and batch-64 decode graphs (their inputs are the last
+    measured step's), and CPU + GPU time of one eager 128-token prefill step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    parts = []
+    for bucket in (b for b in (1, 64) if b in runner.decode_graphs):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                runner.decode_graphs[bucket].replay()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+        parts.append(f"decode graph, bucket {bucket}, 5 replays\n{table}")
+    prompt = torch.randint(spec.vocab_size, (128,)).tolist()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.step([SeqInput(prompt, 0, list(range(8)), True)])
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
+    parts.append(f"eager prefill, 128 tokens\n{table}")
+    return "\n\n".join(parts)
+
+
+def print_table(result: dict) -> None:
+    hf = result["transformers_generate_batch1_tokens_per_s"]
+    print(f"\ncopy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, bf16 matmul "
+          f"{result['matmul_TFLOPs']:.0f} TFLOP/s, transformers generate() batch 1: {hf:.1f} tok/s")
+    print(f"{'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>7} {'bound':>7} {'step ms':>8} "
+          f"{'graph ms':>8} {'host':>6} {'x HF b1':>8}")
+    for d in result["decode"]:
+        print(f"{d['batch']:>5} {d['tokens_per_s']:>9.1f} {d['roofline_tokens_per_s']:>9.1f} "
+              f"{d['roofline_frac']:>7.1%} {d['bound']:>7} {d['step_ms']:>8.2f} "
+              f"{d['graph_replay_ms']:>8.2f} {d['host_overhead_frac']:>6.1%} "
+              f"{d['tokens_per_s'] / hf:>8.1f}")
+    print(f"{'prompt':>6} {'TTFT ms':>8} {'roofline':>8} {'of roof':>7}")
+    for t in result["ttft"]:
+        print(f"{t['prompt_tokens']:>6} {t['ttft_ms']:>8.2f} {t['roofline_ms']:>8.2f} "
+              f"{t['roofline_frac']:>7.1%}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.serve:
+        print("--serve needs the frontend (orbit serve), which is not ready; this benchmark "
+              "measures one rank for now.", file=sys.stderr)
+        return 2
+    from prepare.model_spec import model_spec_from_config
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = hf_config(args.layers)
+    spec = model_spec_from_config(config, 1)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "config": {**LLAMA_31_8B, "num_hidden_layers": args.layers}, "args": vars(args)}
+    bw, flops = copy_bandwidth(), matmul_rate()
+    result.update(copy_bandwidth_TBps=bw / 1e12, matmul_TFLOPs=flops / 1e12)
+    result["transformers_generate_batch1_tokens_per_s"] = transformers_generate_rate(
+        config, args.hf_tokens)
+    tensors = random_shard(spec)
+    runner, result["start_up"] = build_runner(spec, tensors, args)
+    result["weight_bytes"] = weight_bytes(tensors)
+    result["kv_pool"] = {"num_pages": runner.kv_plan.num_pages,
+                         "pool_GiB": runner.kv_plan.pool_bytes / 2**30,
+                         "reserve_GiB": runner.kv_plan.reserve_bytes / 2**30}
+    for layer in runner.kv.layers:  # never time attention over zeros
+        layer.normal_()
+    result["decode"] = [measure_decode(runner, spec, tensors, int(b), args, bw, flops)
+                        for b in args.batches.split(",")]
+    result["ttft"] = [measure_ttft(runner, spec, tensors, int(n), bw, flops)
+                      for n in args.prompts.split(",")]
+    (out / "decode.json").write_text(json.dumps(result, indent=2))
+    if args.profile:
+        (out / "profile.txt").write_text(profile_text(runner, spec, tensors, args))
+    print_table(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

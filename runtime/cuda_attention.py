@@ -1,0 +1,121 @@
+"""Paged attention on the GPU through FlashInfer, with the `attend(layer, q, k, v)` method the
+model calls (the CPU path's ReferenceAttention has the same one).
+
+- DecodeAttention: one per captured decode bucket. Its FlashInfer decode wrapper reads fixed
+  metadata buffers (page indptr, indices, last-page lengths) that the runner refills before
+  every replay; the kernels captured in the graph read them in place. FlashInfer's plan (how
+  the KV is split across thread blocks) depends on the page counts alone, so it is redone on
+  the host only when a sequence gains a page or the batch changes, not every step.
+- PrefillAttention: eager, planned per step: prefill chunks, and mixed steps whose sequences
+  bring more than one token, through FlashInfer's paged prefill (FA3 kernels on sm90).
+
+Both write the step's new k and v into the paged cache first (one Triton kernel per layer), at
+the (page, slot) pairs the runner put in its static write buffers, then attend over the cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runtime import cuda_ops
+from runtime.kv_cache import KVCache
+
+
+def prefill_backend(device: torch.device) -> str:
+    """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere."""
+    return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+
+
+class DecodeAttention:
+    """Decode attention for a batch bucket of `bucket` rows, one new token each."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        bucket: int,
+        max_pages_per_seq: int,
+        workspace: torch.Tensor,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+        scale: float,
+        num_q_heads: int,
+    ):
+        from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+        device = workspace.device
+        self.kv, self.bucket, self.scale = kv, bucket, scale
+        self.num_q_heads = num_q_heads
+        self.write_pages, self.write_offsets = write_pages, write_offsets  # [bucket] int64 views
+        # The wrapper's fixed buffers, filled by the runner: [bucket + 1], [bucket * pages], [bucket]
+        self.indptr_buf = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
+        self.indices_buf = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.last_len_buf = torch.ones(bucket, dtype=torch.int32, device=device)
+        self._planned_indptr: np.ndarray | None = None
+        self.wrapper = BatchDecodeWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            paged_kv_indptr_buffer=self.indptr_buf,
+            paged_kv_indices_buffer=self.indices_buf,
+            paged_kv_last_page_len_buffer=self.last_len_buf,
+            backend="fa2",
+        )
+
+    def plan(self, indptr: np.ndarray, num_indices: int, last_page_len: np.ndarray) -> None:
+        """Outside the graph, after the runner queued this step's page indices into
+        indices_buf and last-page lengths into last_len_buf. indptr [bucket + 1] and
+        last_page_len [bucket] int32 on the host."""
+        if self._planned_indptr is not None and np.array_equal(indptr, self._planned_indptr):
+            return  # same page counts: the split planned last time still holds
+        s = self.kv.shape
+        self.wrapper.plan(
+            torch.from_numpy(indptr), self.indices_buf[:num_indices],
+            torch.from_numpy(last_page_len), self.num_q_heads, s.kv_heads, s.head_dim,
+            s.page_size, q_data_type=self.kv.layers[0].dtype, sm_scale=self.scale,
+        )
+        self._planned_indptr = indptr.copy()
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [bucket, hq, hd] contiguous; k, v [bucket, hkv, hd]. Returns [bucket, hq, hd]."""
+        cache = self.kv.layers[layer]
+        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        return self.wrapper.run(q, cache)
+
+
+class PrefillAttention:
+    """Causal attention of each sequence's new tokens over its whole cached context."""
+
+    def __init__(self, kv: KVCache, workspace: torch.Tensor, scale: float, num_q_heads: int):
+        from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+        self.kv, self.scale, self.num_q_heads = kv, scale, num_q_heads
+        self.write_pages: torch.Tensor | None = None
+        self.write_offsets: torch.Tensor | None = None
+        self.wrapper = BatchPrefillWithPagedKVCacheWrapper(
+            workspace, "NHD", backend=prefill_backend(workspace.device)
+        )
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        kv_indices: torch.Tensor,
+        last_page_len: torch.Tensor,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+    ) -> None:
+        """Index tensors int32 (CPU or GPU); write_pages/offsets [num_tokens] int64 on the GPU."""
+        s = self.kv.shape
+        self.write_pages, self.write_offsets = write_pages, write_offsets
+        self.wrapper.plan(
+            qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_q_heads, s.kv_heads,
+            s.head_dim, s.page_size, causal=True, sm_scale=self.scale,
+            q_data_type=self.kv.layers[0].dtype,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, hq, hd] contiguous; k, v [T, hkv, hd]. Returns [T, hq, hd]."""
+        cache = self.kv.layers[layer]
+        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        return self.wrapper.run(q, cache)

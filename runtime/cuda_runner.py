@@ -1,0 +1,345 @@
+"""The CUDA execution path of a rank: the same `step(seqs) -> logits` as ReferenceRunner, with
+decode replayed from CUDA graphs.
+
+How it works
+------------
+Start-up (build_cuda_runner below does all of it for a rank, in this order):
+
+1. `CudaGraphRunner(model, capacities, options)`: the model's weights are already on the GPU
+   (Package.load_shard(rank, device) + build_model). The constructor allocates every static
+   buffer once (pinned host staging, their device mirrors, the float32 logits buffer, the
+   FlashInfer workspace), runs one eager forward at the largest step over a scratch cache
+   (warm-up: Triton and FlashInfer kernels load, NCCL communicators form; and profiling: the
+   activation peak), then sizes the KV page pool from the memory left (runtime/kv_sizing.py)
+   and allocates it. `kv_plan.num_pages` is what the scheduler may hand out.
+2. `capture()`: for every decode bucket of the package (capacities.decode_batch_buckets),
+   largest first, into one shared memory pool: plan attention for a batch of padding rows, run
+   the forward once on a side stream, then capture it. The TP all-reduces and the LM head's
+   all-gather are inside each graph.
+3. `step(seqs)` per step.
+
+A decode step (every sequence brings one token) pads the batch to the smallest bucket that
+holds it, writes the inputs (token ids, positions, KV write slots, page tables) into pinned
+staging buffers, copies them to the device asynchronously (the whole small int64 staging
+buffer in one copy: a strided slice would need temporaries), plans the bucket's FlashInfer
+decode wrapper on the host when its page counts changed, and replays the bucket's graph. Padding rows
+read token 0 at position 0 and write their KV into the runner's own padding page (page id
+`kv_plan.num_pages`, never handed to the scheduler), so they never touch a real sequence's
+cache; every kernel works row by row (GEMMs, norms, attention), so padding rows cannot change
+a real row's result. A decode batch larger than the largest bucket raises BucketError: it is
+never run eagerly in silence.
+
+Any other step (prefill chunks, or a mix of prefill and decode sequences) runs eagerly through
+FlashInfer's paged prefill kernels: big enough per kernel that launch overhead hides under the
+GPU work, and its shapes vary too much for per-shape graphs to pay (see docs/performance.md).
+It too is refused beyond the package's per-step token budget and max batch.
+
+Memory: after `capture()`, steps allocate no new device memory: decode replays touch only the
+graphs' pool and the static buffers; eager prefill reuses the caching allocator's blocks, whose
+peak the start-up profile measured and the pool sizing reserved.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from runtime.cuda_attention import DecodeAttention, PrefillAttention
+from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
+from runtime.layers import TPGroup
+from runtime.model import Transformer, build_model
+from runtime.package import Package
+from runtime.runner import SeqInput
+from runtime.spec import Capacities
+
+log = logging.getLogger(__name__)
+
+# FlashInfer's per-wrapper integer workspace (allocated by each wrapper, outside our control).
+_WRAPPER_INT_WORKSPACE_BYTES = 8 << 20
+
+
+class BucketError(ValueError):
+    """A step that the package's prepared buckets and capacities cannot run."""
+
+
+@dataclass(frozen=True)
+class CudaRunnerOptions:
+    kv_fraction: float = 0.9  # share of the memory left after weights and reserves for KV pages
+    max_kv_pages: int = 0  # cap on the pool (0: none); tests and benchmarks keep it small
+    workspace_bytes: int = 256 << 20  # FlashInfer float workspace, shared by every wrapper
+    reserve_margin_bytes: int = 512 << 20  # kept free beyond the measured activation peaks
+
+
+class RankSettings(Protocol):
+    """What build_cuda_runner reads of a rank's configuration (ranks/config.py)."""
+
+    rank: int
+    kv_pages: int  # 0: size the pool from free memory; else at most this many pages
+
+
+def build_cuda_runner(
+    pkg: Package, group: TPGroup, settings: RankSettings, kv_fraction: float = 0.9
+) -> tuple[CudaGraphRunner, int]:
+    """A rank's whole CUDA start-up on its current device (torch.cuda.set_device first):
+    load the shard straight to the GPU, build the model, size and allocate the KV pool, warm
+    up, capture the decode graphs. Returns the runner and the pages the scheduler may use."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    tensors = pkg.load_shard(settings.rank, device)
+    model = build_model(pkg.spec, tensors, group, pkg.capacities.max_seq_len, device)
+    options = CudaRunnerOptions(kv_fraction=kv_fraction, max_kv_pages=settings.kv_pages)
+    runner = CudaGraphRunner(model, pkg.capacities, options)
+    runner.capture()
+    return runner, runner.kv_plan.num_pages
+
+
+# Rows of the int64 staging buffer: one value per token row of the step.
+_IDS, _POS, _PAGE, _SLOT, _SAMPLE = range(5)
+
+
+class CudaGraphRunner:
+    """One rank's model on one GPU: decode from captured graphs, prefill eagerly."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        capacities: Capacities,
+        options: CudaRunnerOptions = CudaRunnerOptions(),
+    ):
+        self.model, self.caps, self.options = model, capacities, options
+        self.device = model.norm.weight.device
+        self.dtype = model.norm.weight.dtype
+        if self.device.type != "cuda" or self.dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"CudaGraphRunner needs a bfloat16/float16 model on CUDA, got {self.dtype} on "
+                f"{self.device}; the CPU path is ReferenceRunner."
+            )
+        spec, self.tp = model.spec, model.embed.group.size
+        self.page_size = capacities.kv_page_size
+        self.scale = spec.head_dim**-0.5
+        self.num_q_heads = spec.num_heads // self.tp
+        self.buckets = tuple(sorted(capacities.decode_batch_buckets))
+        self.max_tokens = max(capacities.max_step_tokens, capacities.max_batch)
+        self.max_indices = capacities.max_batch * capacities.max_pages_per_seq
+        self._alloc_static()
+        reserve = self._profile() + options.reserve_margin_bytes
+        reserve += (len(self.buckets) + 1) * _WRAPPER_INT_WORKSPACE_BYTES
+        self.kv_plan = self._size_pool(self._kv_shape(1).bytes(self.dtype), reserve)
+        self.pad_page = self.kv_plan.num_pages
+        self.kv = KVCache(self._kv_shape(self.kv_plan.num_pages + 1), self.dtype, self.device)
+        self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
+        self._decode: dict[int, DecodeAttention] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        log.info("KV pool: %d pages of %d tokens (%.1f GiB)", self.kv_plan.num_pages,
+                 self.page_size, self.kv_plan.pool_bytes / 2**30)
+
+    # ---- start-up -----------------------------------------------------------------------
+
+    def _kv_shape(self, num_pages: int) -> KVCacheShape:
+        return KVCacheShape.for_spec(self.model.spec, self.tp, num_pages, self.page_size)
+
+    def _alloc_static(self) -> None:
+        dev = self.device
+        self._host_i64 = torch.zeros((5, self.max_tokens), dtype=torch.int64, pin_memory=True)
+        # [page indices (max_indices) | last-page lengths of a decode batch (max_batch)]
+        self._host_i32 = torch.zeros(
+            self.max_indices + self.caps.max_batch, dtype=torch.int32, pin_memory=True
+        )
+        self._np_i64, self._np_i32 = self._host_i64.numpy(), self._host_i32.numpy()
+        self._dev_i64 = torch.zeros((5, self.max_tokens), dtype=torch.int64, device=dev)
+        self._dev_i32 = torch.zeros(self.max_indices, dtype=torch.int32, device=dev)
+        self._copied = torch.cuda.Event()  # the last host->device copy of the staging buffers
+        self._copied.record()
+        self._logits = torch.zeros(  # [max_batch, vocab] float32: the decode graphs' output
+            (self.caps.max_batch, self.model.spec.vocab_size), dtype=torch.float32, device=dev
+        )
+        self._workspace = torch.zeros(self.options.workspace_bytes, dtype=torch.uint8, device=dev)
+
+    @torch.inference_mode()
+    def _profile(self) -> int:
+        """Run the largest step (max_step_tokens tokens over as many sampling sequences as the
+        batch allows) over a scratch cache; returns its activation peak in bytes."""
+        num_tokens = self.caps.max_step_tokens
+        num_seqs = min(self.caps.max_batch, num_tokens)
+        lengths = [num_tokens // num_seqs] * num_seqs
+        lengths[0] += num_tokens - sum(lengths)
+        seqs, next_page = [], 0
+        for n in lengths:
+            pages = list(range(next_page, next_page + -(-n // self.page_size)))
+            next_page += len(pages)
+            seqs.append(SeqInput([1] * n, 0, pages, sample=True))
+        scratch = KVCache(self._kv_shape(next_page), self.dtype, self.device)
+        attn = PrefillAttention(scratch, self._workspace, self.scale, self.num_q_heads)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self._prefill_forward(seqs, attn)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        del scratch, attn
+        torch.cuda.empty_cache()
+        return 2 * peak  # eager steps at run time, plus the graphs' pool (decode steps are smaller)
+
+    def _size_pool(self, page_bytes: int, reserve_bytes: int) -> KVPoolPlan:
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        return plan_kv_pool(
+            page_bytes, free_bytes, reserve_bytes, self.options.kv_fraction,
+            min_pages=self.caps.max_pages_per_seq, max_pages=self.options.max_kv_pages,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one decode graph per bucket, largest first, sharing one memory pool."""
+        pool = torch.cuda.graph_pool_handle()
+        before = torch.cuda.memory_reserved()
+        for bucket in sorted(self.buckets, reverse=True):
+            attn = DecodeAttention(
+                self.kv, bucket, self.caps.max_pages_per_seq, self._workspace,
+                self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket],
+                self.scale, self.num_q_heads,
+            )
+            self._plan_decode([], bucket, attn)  # all padding rows
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self._decode_forward(bucket, attn)  # warm-up outside capture
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._decode_forward(bucket, attn)
+            self._decode[bucket], self._graphs[bucket] = attn, graph
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for batch buckets %s (%.0f MiB of graph memory)",
+                 list(self.buckets), (torch.cuda.memory_reserved() - before) / 2**20)
+
+    @property
+    def decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
+        """Bucket -> captured graph; benchmarks replay one alone to time the GPU side."""
+        return dict(self._graphs)
+
+    # ---- steps --------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Float32 logits [num sampling seqs, vocab] on the GPU, in the order of seqs. A decode
+        step returns a view of the graphs' output buffer: valid until the next step."""
+        if not self._graphs:
+            raise RuntimeError("CudaGraphRunner.step before capture(); call capture() first.")
+        if all(len(s.token_ids) == 1 for s in seqs):
+            return self._decode_step(seqs)
+        return self.step_eager(seqs)
+
+    @torch.inference_mode()
+    def step_eager(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """Any step through the eager prefill path (prefill chunks and mixed steps; tests use
+        it on decode steps as the unpadded, uncaptured counterpart of the graphs)."""
+        return self._prefill_forward(seqs, self._prefill)
+
+    def _decode_step(self, seqs: list[SeqInput]) -> torch.Tensor:
+        if not seqs:
+            raise BucketError("a step needs at least one sequence.")
+        bucket = next((b for b in self.buckets if b >= len(seqs)), None)
+        if bucket is None:
+            raise BucketError(
+                f"decode batch of {len(seqs)} sequences exceeds the largest captured bucket "
+                f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
+            )
+        self._plan_decode(seqs, bucket, self._decode[bucket])
+        self._graphs[bucket].replay()
+        if all(s.sample for s in seqs):
+            return self._logits[: len(seqs)]
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        return self._logits[rows]
+
+    def _plan_decode(self, seqs: list[SeqInput], bucket: int, attn: DecodeAttention) -> None:
+        """Stage one decode batch padded to `bucket` rows, copy it to the device (page indices
+        and last-page lengths straight into the bucket's attention buffers), plan attention."""
+        ps, st, idx = self.page_size, self._np_i64, self._np_i32
+        indptr = np.zeros(bucket + 1, dtype=np.int32)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
+        last_len = self._np_i32[self.max_indices : self.max_indices + bucket]
+        last_len[:] = 1
+        used = 0
+        for i, s in enumerate(seqs):
+            pos = s.start_pos
+            num_pages = self._check_pages(s, pos + 1)
+            st[_IDS, i], st[_POS, i] = s.token_ids[0], pos
+            st[_PAGE, i], st[_SLOT, i] = s.page_table[pos // ps], pos % ps
+            idx[used : used + num_pages] = s.page_table[:num_pages]
+            used += num_pages
+            indptr[i + 1], last_len[i] = used, pos + 1 - (num_pages - 1) * ps
+        for i in range(len(seqs), bucket):  # padding rows: token 0 at position 0, padding page
+            st[_IDS, i], st[_POS, i], st[_PAGE, i], st[_SLOT, i] = 0, 0, self.pad_page, 0
+            idx[used] = self.pad_page
+            used += 1
+            indptr[i + 1] = used
+        self._dev_i64.copy_(self._host_i64, non_blocking=True)
+        attn.indices_buf[:used].copy_(self._host_i32[:used], non_blocking=True)
+        last_len_host = self._host_i32[self.max_indices : self.max_indices + bucket]
+        attn.last_len_buf.copy_(last_len_host, non_blocking=True)
+        self._copied.record()
+        attn.plan(indptr, used, last_len)
+
+    def _decode_forward(self, bucket: int, attn: DecodeAttention) -> None:
+        """The captured region: static inputs in, the static logits buffer out."""
+        hidden = self.model(self._dev_i64[_IDS, :bucket], self._dev_i64[_POS, :bucket], attn)
+        self._logits[:bucket].copy_(self.model.lm_head(hidden))
+
+    def _prefill_forward(self, seqs: list[SeqInput], attn: PrefillAttention) -> torch.Tensor:
+        num_tokens = sum(len(s.token_ids) for s in seqs)
+        if not seqs or num_tokens > self.caps.max_step_tokens or len(seqs) > self.caps.max_batch:
+            raise BucketError(
+                f"a step of {len(seqs)} sequences and {num_tokens} tokens is outside the "
+                f"package's capacities ({self.caps.max_batch} sequences, "
+                f"{self.caps.max_step_tokens} tokens per step)."
+            )
+        ps, st, idx = self.page_size, self._np_i64, self._np_i32
+        qo_indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
+        kv_indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
+        last_len = np.zeros(len(seqs), dtype=np.int32)
+        self._copied.synchronize()
+        row = used = num_sample = 0
+        for i, s in enumerate(seqs):
+            n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
+            num_pages = self._check_pages(s, ctx)
+            pos = np.arange(s.start_pos, ctx)
+            pages = np.asarray(s.page_table[:num_pages], dtype=np.int64)
+            st[_IDS, row : row + n], st[_POS, row : row + n] = s.token_ids, pos
+            st[_PAGE, row : row + n], st[_SLOT, row : row + n] = pages[pos // ps], pos % ps
+            idx[used : used + num_pages] = pages
+            row, used = row + n, used + num_pages
+            if s.sample:
+                st[_SAMPLE, num_sample], num_sample = row - 1, num_sample + 1
+            qo_indptr[i + 1], kv_indptr[i + 1] = row, used
+            last_len[i] = ctx - (num_pages - 1) * ps
+        self._dev_i64.copy_(self._host_i64, non_blocking=True)
+        self._dev_i32[:used].copy_(self._host_i32[:used], non_blocking=True)
+        self._copied.record()
+        dev = self._dev_i64
+        attn.plan(
+            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), self._dev_i32[:used],
+            torch.from_numpy(last_len), dev[_PAGE, :num_tokens], dev[_SLOT, :num_tokens],
+        )
+        hidden = self.model(dev[_IDS, :num_tokens], dev[_POS, :num_tokens], attn)
+        if not num_sample:  # every rank plans the same step, so all skip the LM head together
+            return torch.empty((0, self.model.spec.vocab_size), device=self.device)
+        return self.model.logits(hidden.index_select(0, dev[_SAMPLE, :num_sample]))
+
+    def _check_pages(self, s: SeqInput, context_len: int) -> int:
+        num_pages = -(-context_len // self.page_size)
+        if context_len > self.caps.max_seq_len:
+            raise BucketError(
+                f"a sequence reaching {context_len} tokens exceeds the package's max_seq_len "
+                f"({self.caps.max_seq_len})."
+            )
+        if len(s.page_table) < num_pages:
+            raise ValueError(
+                f"page table of {len(s.page_table)} pages cannot hold {context_len} tokens "
+                f"({num_pages} pages of {self.page_size})."
+            )
+        return num_pages

@@ -1,0 +1,141 @@
+"""The CUDA path (FlashInfer attention, decode from CUDA graphs) against transformers on the
+GPU and against the CPU reference path, on a random Llama-architecture model in bf16.
+
+What each comparison can honestly promise:
+- logits vs transformers bf16 on the GPU: relative error <= 1e-2 (two bf16 implementations
+  with different kernels and summation orders);
+- greedy tokens vs the CPU reference (float32 over the same bf16-rounded weights): equal until
+  the first step where the reference's own top-2 margin is within twice the measured logit
+  error (a near-tie that bf16 rounding may decide either way), with the error itself held to
+  the bf16 bound at every step; how far the tokens agree is reported;
+- padding and the NCCL calls: bitwise, since neither may change a real row at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run through the device tool)", allow_module_level=True)
+
+from runtime.cuda_runner import BucketError
+from runtime.layers import TPGroup
+from runtime.runner import SeqInput
+from tests.gpu import compare, models, steps
+from tests.gpu.compare import (
+    BF16_REL_TOL,
+    check_greedy,
+    random_prompts,
+)
+
+
+@pytest.fixture(scope="module")
+def llama(nccl_group):
+    """(hf float32 CPU model, spec, tensors, runner with NCCL collectives, plain runner)."""
+    hf = models.random_hf_model(models.llama_config())
+    spec, tensors = models.shard_tensors(hf)
+    with_nccl = models.cuda_runner(spec, tensors, nccl_group)
+    plain = models.cuda_runner(spec, tensors, TPGroup())
+    return hf, spec, tensors, with_nccl, plain
+
+
+def test_logits_match_transformers(llama, report):
+    hf, spec, _, runner, _ = llama
+    worst = compare.logits_vs_transformers(hf, spec, runner, num_new=24, seed=7)
+    report("llama_logits_vs_transformers", **worst)
+    vs_fp32, vs_bf16 = compare.bf16_bounds(worst)
+    assert worst["transformers_bf16_vs_fp32"] <= BF16_REL_TOL  # so the bounds are the issue's 1e-2
+    assert worst["orbit_vs_transformers_fp32"] <= vs_fp32
+    assert worst["orbit_vs_transformers_bf16"] <= vs_bf16
+
+
+def test_greedy_matches_cpu_reference(llama, report):
+    _, spec, tensors, runner, _ = llama
+    prompts = random_prompts(spec.vocab_size, seed=9)
+    tables = steps.page_tables(3, 512)
+    gpu_tokens, gpu_logits = steps.greedy(runner, prompts, tables, max_new=32)
+    ref = models.reference_runner(spec, tensors)
+    ref_tokens, _ = steps.greedy(ref, prompts, tables, max_new=32)
+    ref_logits = steps.teacher_forced(
+        models.reference_runner(spec, tensors), prompts, [t[:-1] for t in gpu_tokens], tables
+    )
+    agree = [check_greedy(g, r, gl, rl) for g, r, gl, rl in
+             zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)]
+    report("llama_greedy_vs_cpu_reference", tokens_agreeing=agree, max_new=32)
+
+
+def test_nccl_collectives_in_graphs_change_nothing(llama):
+    """The runner whose all-reduces and all-gather go through NCCL (captured in its graphs)
+    gives bitwise the logits of the one that skips them."""
+    _, spec, _, with_nccl, plain = llama
+    prompts = random_prompts(spec.vocab_size, seed=10)
+    conts = random_prompts(spec.vocab_size, lengths=(6,) * 3, seed=11)
+    tables = steps.page_tables(3, 512)
+    a = steps.teacher_forced(with_nccl, prompts, conts, tables)
+    b = steps.teacher_forced(plain, prompts, conts, tables)
+    for rows_a, rows_b in zip(a, b):
+        for x, y in zip(rows_a, rows_b):
+            assert torch.equal(x, y)
+
+
+def test_padding_never_changes_results(llama, report):
+    """3 sequences padded to bucket 4: scribbling over the padding page between two identical
+    replays changes nothing (bitwise); the padded graph agrees with the eager, unpadded step
+    (other kernels) within bf16 tolerance."""
+    _, spec, _, runner, _ = llama
+    prompts = random_prompts(spec.vocab_size, seed=12)
+    tables = steps.page_tables(3, 512)
+    first = steps.prefill(runner, prompts, tables)
+    tokens = [int(row.argmax()) for row in first]
+    contexts = [len(p) for p in prompts]
+    a = steps.decode(runner, tokens, contexts, tables)
+    for layer in runner.kv.layers:
+        layer[runner.pad_page].normal_()
+    b = steps.decode(runner, tokens, contexts, tables)
+    eager = steps.decode(runner, tokens, contexts, tables, eager=True)
+    assert torch.equal(a, b)
+    err = steps.rel_error(a, eager)
+    report("padding_graph_vs_eager", rel_err=err, batch=3, bucket=4)
+    assert err <= BF16_REL_TOL
+
+
+@pytest.mark.parametrize("which", ["plain", "nccl"])
+def test_steady_state_allocates_no_gpu_memory(llama, report, which):
+    """After warm-up, decode steps make no allocator call at all and eager prefill steps reuse
+    cached blocks: reserved memory stays put. With NCCL, ProcessGroupNCCL holds an eager
+    collective's tensors until its watchdog sees the work finish, so allocated bytes are
+    compared on the plain runner only."""
+    _, spec, _, with_nccl, plain = llama
+    runner = plain if which == "plain" else with_nccl
+    tables = steps.page_tables(8, 512)
+    prompts = random_prompts(spec.vocab_size, lengths=(40,) * 8, seed=13)
+    steps.prefill(runner, prompts, tables)  # warm the eager path's cached blocks
+    torch.cuda.synchronize()
+    before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    decode_allocs = 0
+    for i in range(120):
+        batch = (1, 3, 8, 5)[i % 4]
+        seqs = [SeqInput([i % 100], 40 + i, tables[j], True) for j in range(batch)]
+        count = torch.cuda.memory_stats()["allocation.all.allocated"]
+        runner.step(seqs)
+        decode_allocs += torch.cuda.memory_stats()["allocation.all.allocated"] - count
+    steps.prefill(runner, prompts, tables)
+    torch.cuda.synchronize()
+    after = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
+    report(f"steady_state_memory_{which}", before=before, after=after,
+           decode_step_allocations=decode_allocs)
+    assert decode_allocs == 0
+    assert after[1] == before[1]
+    if which == "plain":
+        assert after[0] == before[0]
+
+
+def test_out_of_bucket_steps_are_refused(llama):
+    _, _, _, runner, _ = llama
+    tables = steps.page_tables(8, 512)
+    too_many = [SeqInput([1], 0, tables[i % 8], True) for i in range(17)]
+    with pytest.raises(BucketError, match="largest captured bucket"):
+        runner.step(too_many)
+    with pytest.raises(BucketError, match="tokens per step"):
+        runner.step([SeqInput([1] * 257, 0, tables[0], True)])
