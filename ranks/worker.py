@@ -54,6 +54,7 @@ class Rank:
         self.hello: wire_pb2.Hello | None = None
         self.ready: wire_pb2.Ready | None = None
         self.closing = threading.Event()
+        self.sample = sample  # the CUDA path swaps in runtime.cuda_sampling.sample
 
     def send(self, **kind) -> None:
         self.sock.send(wire_pb2.FromRank(**kind).SerializeToString())
@@ -89,8 +90,12 @@ class Rank:
     def _load(self, pkg: Package, group: TPGroup):
         cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
         if cfg.device == "cuda":
+            from runtime import cuda_sampling
             from runtime.cuda_runner import build_cuda_runner
 
+            # CUDA_VISIBLE_DEVICES leaves each rank one GPU: device 0.
+            torch.cuda.set_device(0)
+            self.sample = cuda_sampling.sample
             return build_cuda_runner(pkg, group, cfg)
         model = build_model(spec, pkg.load_shard(cfg.rank), group, caps.max_seq_len)
         num_pages = cfg.kv_pages
@@ -159,7 +164,9 @@ class Rank:
         logits = self.runner.step(inputs) if inputs else None
         result = wire_pb2.StepResult(step_id=plan.step_id, rank=self.cfg.rank)
         if self.cfg.rank == 0 and sampling:
-            drawn = sample(logits, [p for _, p, _ in sampling], [pos for _, _, pos in sampling])
+            drawn = self.sample(
+                logits, [p for _, p, _ in sampling], [pos for _, _, pos in sampling]
+            )
             for (seq_id, _, _), d in zip(sampling, drawn):
                 result.samples.append(wire_pb2.Sample(
                     seq_id=seq_id, token_id=d.token_id, logprob=d.logprob,
