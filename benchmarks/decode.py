@@ -34,12 +34,22 @@ import torch
 from runtime.runner import SeqInput
 
 LLAMA_31_8B = {
-    "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
     "rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
     },
 }
 
@@ -120,8 +130,14 @@ def transformers_generate_rate(config, new_tokens: int) -> float:
 def _generate_s(model, ids: torch.Tensor, new_tokens: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                   min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 
@@ -145,8 +161,10 @@ def build_runner(spec, tensors, args):
     from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 
     caps = Capacities(
-        max_seq_len=4096, max_batch=max(int(b) for b in args.batches.split(",")),
-        kv_page_size=16, decode_batch_buckets=default_decode_buckets(256),
+        max_seq_len=4096,
+        max_batch=max(int(b) for b in args.batches.split(",")),
+        kv_page_size=16,
+        decode_batch_buckets=default_decode_buckets(256),
         prefill_chunk_sizes=default_prefill_chunks(2048),
     )
     model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda")
@@ -190,16 +208,26 @@ def measure_decode(runner, spec, tensors, batch: int, args, bw: float, flops: fl
     bucket = next(b for b in runner.buckets if b >= batch)
     graph_s = median_ms(runner.decode_graphs[bucket].replay, 50) / 1e3
     avg_ctx = args.context + 8 + args.steps / 2
-    mem_bytes = (weight_bytes(tensors) + batch * avg_ctx * kv_bytes_per_token(spec)
-                 + batch * spec.vocab_size * 4)
+    mem_bytes = (
+        weight_bytes(tensors)
+        + batch * avg_ctx * kv_bytes_per_token(spec)
+        + batch * spec.vocab_size * 4
+    )
     params = weight_bytes(tensors) / 2  # bf16
-    step_flops = batch * (2 * params + 4 * avg_ctx * spec.num_heads * spec.head_dim * spec.num_layers)
+    step_flops = batch * (
+        2 * params + 4 * avg_ctx * spec.num_heads * spec.head_dim * spec.num_layers
+    )
     floor_s = max(mem_bytes / bw, step_flops / flops)
     return {
-        "batch": batch, "bucket": bucket, "context": args.context,
-        "tokens_per_s": batch / loop_s, "step_ms": loop_s * 1e3, "graph_replay_ms": graph_s * 1e3,
+        "batch": batch,
+        "bucket": bucket,
+        "context": args.context,
+        "tokens_per_s": batch / loop_s,
+        "step_ms": loop_s * 1e3,
+        "graph_replay_ms": graph_s * 1e3,
         "host_overhead_frac": max(0.0, 1 - graph_s / loop_s),
-        "roofline_tokens_per_s": batch / floor_s, "roofline_frac": floor_s / loop_s,
+        "roofline_tokens_per_s": batch / floor_s,
+        "roofline_frac": floor_s / loop_s,
         "bound": "memory" if mem_bytes / bw >= step_flops / flops else "compute",
         "bytes_per_step": mem_bytes,
     }
@@ -220,8 +248,12 @@ def measure_ttft(runner, spec, tensors, length: int, bw: float, flops: float) ->
     params = (weight_bytes(tensors) - lm_head) / 2  # bf16; the LM head runs for one token
     prefill_flops = 2 * params * length + attn
     floor = max(prefill_flops / flops, weight_bytes(tensors) / bw)
-    return {"prompt_tokens": length, "ttft_ms": ttft * 1e3, "roofline_ms": floor * 1e3,
-            "roofline_frac": floor / ttft}
+    return {
+        "prompt_tokens": length,
+        "ttft_ms": ttft * 1e3,
+        "roofline_ms": floor * 1e3,
+        "roofline_frac": floor / ttft,
+    }
 
 
 def profile_text(runner, spec, tensors, args) -> str:
@@ -248,26 +280,37 @@ def profile_text(runner, spec, tensors, args) -> str:
 
 def print_table(result: dict) -> None:
     hf = result["transformers_generate_batch1_tokens_per_s"]
-    print(f"\ncopy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, bf16 matmul "
-          f"{result['matmul_TFLOPs']:.0f} TFLOP/s, transformers generate() batch 1: {hf:.1f} tok/s")
-    print(f"{'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>7} {'bound':>7} {'step ms':>8} "
-          f"{'graph ms':>8} {'host':>6} {'x HF b1':>8}")
+    print(
+        f"\ncopy bandwidth {result['copy_bandwidth_TBps']:.2f} TB/s, bf16 matmul "
+        f"{result['matmul_TFLOPs']:.0f} TFLOP/s, transformers generate() batch 1: {hf:.1f} tok/s"
+    )
+    print(
+        f"{'batch':>5} {'tok/s':>9} {'roofline':>9} {'of roof':>7} {'bound':>7} {'step ms':>8} "
+        f"{'graph ms':>8} {'host':>6} {'x HF b1':>8}"
+    )
     for d in result["decode"]:
-        print(f"{d['batch']:>5} {d['tokens_per_s']:>9.1f} {d['roofline_tokens_per_s']:>9.1f} "
-              f"{d['roofline_frac']:>7.1%} {d['bound']:>7} {d['step_ms']:>8.2f} "
-              f"{d['graph_replay_ms']:>8.2f} {d['host_overhead_frac']:>6.1%} "
-              f"{d['tokens_per_s'] / hf:>8.1f}")
+        print(
+            f"{d['batch']:>5} {d['tokens_per_s']:>9.1f} {d['roofline_tokens_per_s']:>9.1f} "
+            f"{d['roofline_frac']:>7.1%} {d['bound']:>7} {d['step_ms']:>8.2f} "
+            f"{d['graph_replay_ms']:>8.2f} {d['host_overhead_frac']:>6.1%} "
+            f"{d['tokens_per_s'] / hf:>8.1f}"
+        )
     print(f"{'prompt':>6} {'TTFT ms':>8} {'roofline':>8} {'of roof':>7}")
     for t in result["ttft"]:
-        print(f"{t['prompt_tokens']:>6} {t['ttft_ms']:>8.2f} {t['roofline_ms']:>8.2f} "
-              f"{t['roofline_frac']:>7.1%}")
+        print(
+            f"{t['prompt_tokens']:>6} {t['ttft_ms']:>8.2f} {t['roofline_ms']:>8.2f} "
+            f"{t['roofline_frac']:>7.1%}"
+        )
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.serve:
-        print("--serve needs the frontend (orbit serve), which is not ready; this benchmark "
-              "measures one rank for now.", file=sys.stderr)
+        print(
+            "--serve needs the frontend (orbit serve), which is not ready; this benchmark "
+            "measures one rank for now.",
+            file=sys.stderr,
+        )
         return 2
     from prepare.model_spec import model_spec_from_config
 
@@ -275,24 +318,34 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     config = hf_config(args.layers)
     spec = model_spec_from_config(config, 1)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "config": {**LLAMA_31_8B, "num_hidden_layers": args.layers}, "args": vars(args)}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "config": {**LLAMA_31_8B, "num_hidden_layers": args.layers},
+        "args": vars(args),
+    }
     bw, flops = copy_bandwidth(), matmul_rate()
     result.update(copy_bandwidth_TBps=bw / 1e12, matmul_TFLOPs=flops / 1e12)
     result["transformers_generate_batch1_tokens_per_s"] = transformers_generate_rate(
-        config, args.hf_tokens)
+        config, args.hf_tokens
+    )
     tensors = random_shard(spec)
     runner, result["start_up"] = build_runner(spec, tensors, args)
     result["weight_bytes"] = weight_bytes(tensors)
-    result["kv_pool"] = {"num_pages": runner.kv_plan.num_pages,
-                         "pool_GiB": runner.kv_plan.pool_bytes / 2**30,
-                         "reserve_GiB": runner.kv_plan.reserve_bytes / 2**30}
+    result["kv_pool"] = {
+        "num_pages": runner.kv_plan.num_pages,
+        "pool_GiB": runner.kv_plan.pool_bytes / 2**30,
+        "reserve_GiB": runner.kv_plan.reserve_bytes / 2**30,
+    }
     for layer in runner.kv.layers:  # never time attention over zeros
         layer.normal_()
-    result["decode"] = [measure_decode(runner, spec, tensors, int(b), args, bw, flops)
-                        for b in args.batches.split(",")]
-    result["ttft"] = [measure_ttft(runner, spec, tensors, int(n), bw, flops)
-                      for n in args.prompts.split(",")]
+    result["decode"] = [
+        measure_decode(runner, spec, tensors, int(b), args, bw, flops)
+        for b in args.batches.split(",")
+    ]
+    result["ttft"] = [
+        measure_ttft(runner, spec, tensors, int(n), bw, flops) for n in args.prompts.split(",")
+    ]
     (out / "decode.json").write_text(json.dumps(result, indent=2))
     if args.profile:
         (out / "profile.txt").write_text(profile_text(runner, spec, tensors, args))

@@ -45,8 +45,9 @@ class Outcome:
     error: str = ""
 
 
-def request_mix(n: int, prompt_words: tuple[int, ...], output_tokens: tuple[int, ...],
-                seed: int) -> list[Request]:
+def request_mix(
+    n: int, prompt_words: tuple[int, ...], output_tokens: tuple[int, ...], seed: int
+) -> list[Request]:
     rng = random.Random(seed)
     reqs = []
     for i in range(n):
@@ -58,8 +59,15 @@ def request_mix(n: int, prompt_words: tuple[int, ...], output_tokens: tuple[int,
 
 
 async def one(client: httpx.AsyncClient, url: str, model: str, req: Request) -> Outcome:
-    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    body = {
+        "model": model,
+        "prompt": req.prompt,
+        "max_tokens": req.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     t0 = time.perf_counter()
     last, out = None, Outcome(ok=True)
     try:
@@ -95,8 +103,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def run(args) -> dict:
-    reqs = request_mix(args.requests, tuple(args.prompt_words), tuple(args.output_tokens),
-                       args.seed)
+    reqs = request_mix(
+        args.requests, tuple(args.prompt_words), tuple(args.output_tokens), args.seed
+    )
     limits = httpx.Limits(max_connections=args.concurrency + 4)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         model = (await client.get(args.url + "/v1/models")).json()["data"][0]["id"]
@@ -111,8 +120,9 @@ async def run(args) -> dict:
         elapsed = time.perf_counter() - t0
         report = summarize(outcomes, elapsed, args)
         if args.check_greedy:
-            report["greedy_mismatches"] = await greedy_mismatches(client, args.url, model, reqs,
-                                                                  outcomes)
+            report["greedy_mismatches"] = await greedy_mismatches(
+                client, args.url, model, reqs, outcomes
+            )
     return report
 
 

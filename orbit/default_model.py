@@ -33,7 +33,8 @@ def default_package(cache_dir: Path, device: str) -> Path:
     out = cache_dir / "packages" / f"smollm2-135m-instruct-tp1-{dtype}"
     if not (out / "manifest.pb").is_file():
         prepare_package(
-            default_gguf(), out,
+            default_gguf(),
+            out,
             PrepareOptions(tp=1, dtype=dtype, max_seq_len=2048, max_batch=32, max_step_tokens=512),
         )
     return out

@@ -16,11 +16,10 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from orbit.rank_link import RankFailure, RankLink
 from proto import wire_pb2
 from runtime import sampling
 from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
-
-from orbit.rank_link import RankFailure, RankLink
 
 log = logging.getLogger("orbit.engine")
 
@@ -171,10 +170,15 @@ class Engine:
         """Wait for every rank, then size the scheduler from the smallest KV pool."""
         await self.link.wait_ready(ready_timeout_s)
         c = self.config
-        self.scheduler = Scheduler(SchedulerConfig(
-            num_pages=self.link.num_kv_pages, page_size=c.page_size, max_batch=c.max_batch,
-            max_step_tokens=c.max_step_tokens, max_seq_len=c.max_seq_len,
-        ))
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=self.link.num_kv_pages,
+                page_size=c.page_size,
+                max_batch=c.max_batch,
+                max_step_tokens=c.max_step_tokens,
+                max_seq_len=c.max_seq_len,
+            )
+        )
         self._ready = True
 
     def begin_stopping(self) -> None:
@@ -228,7 +232,10 @@ class Engine:
             prompt_ids=list(prompt_ids),
             max_tokens=p.max_tokens,
             sampling=sampling.SamplingParams(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=seed % (1 << 63),
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k,
+                seed=seed % (1 << 63),
                 num_logprobs=-1 if p.logprobs is None else p.logprobs,
             ),
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids),
@@ -249,12 +256,14 @@ class Engine:
                 continue
             s = samples[seq.seq_id]
             asked = seq.sampling.num_logprobs >= 0
-            queue.put_nowait(TokenEvent(
-                token_id=s.token_id,
-                logprob=s.logprob if asked else None,
-                top_logprobs=list(zip(s.top_token_ids, s.top_logprobs)),
-                finish_reason=seq.finish_reason,
-            ))
+            queue.put_nowait(
+                TokenEvent(
+                    token_id=s.token_id,
+                    logprob=s.logprob if asked else None,
+                    top_logprobs=list(zip(s.top_token_ids, s.top_logprobs)),
+                    finish_reason=seq.finish_reason,
+                )
+            )
 
 
 def _plan(step: Step) -> wire_pb2.StepPlan:
@@ -262,12 +271,25 @@ def _plan(step: Step) -> wire_pb2.StepPlan:
     for c in step.chunks:
         if c.is_new:
             p = c.seq.sampling
-            plan.new_seqs.append(wire_pb2.NewSequence(seq_id=c.seq.seq_id, sampling=wire_pb2.SamplingParams(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                num_logprobs=p.num_logprobs,
-            )))
-        plan.seqs.append(wire_pb2.SeqStep(
-            seq_id=c.seq.seq_id, token_ids=c.token_ids, start_pos=c.start_pos,
-            new_pages=c.new_pages, sample=c.sample,
-        ))
+            plan.new_seqs.append(
+                wire_pb2.NewSequence(
+                    seq_id=c.seq.seq_id,
+                    sampling=wire_pb2.SamplingParams(
+                        temperature=p.temperature,
+                        top_p=p.top_p,
+                        top_k=p.top_k,
+                        seed=p.seed,
+                        num_logprobs=p.num_logprobs,
+                    ),
+                )
+            )
+        plan.seqs.append(
+            wire_pb2.SeqStep(
+                seq_id=c.seq.seq_id,
+                token_ids=c.token_ids,
+                start_pos=c.start_pos,
+                new_pages=c.new_pages,
+                sample=c.sample,
+            )
+        )
     return plan

@@ -30,8 +30,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 class LocalRanks:
-    def __init__(self, package: Path, tp_size: int, frontend: str, log_dir: Path,
-                 opts: LocalRankOptions):
+    def __init__(
+        self, package: Path, tp_size: int, frontend: str, log_dir: Path, opts: LocalRankOptions
+    ):
         self.package, self.tp_size, self.frontend = package, tp_size, frontend
         self.log_dir, self.opts = log_dir, opts
         self.procs: list[subprocess.Popen] = []
@@ -45,11 +46,27 @@ class LocalRanks:
         threads = self.opts.threads or max(1, (os.cpu_count() or 1) // self.tp_size)
         for rank in range(self.tp_size):
             cmd = [
-                sys.executable, "-m", "ranks", "--package", str(self.package),
-                "--rank", str(rank), "--tp-size", str(self.tp_size),
-                "--frontend", self.frontend, "--dist-init", dist_init,
-                "--device", self.opts.device, "--kv-pages", str(self.opts.kv_pages),
-                "--kv-cache-mb", str(self.opts.kv_cache_mb), "--threads", str(threads),
+                sys.executable,
+                "-m",
+                "ranks",
+                "--package",
+                str(self.package),
+                "--rank",
+                str(rank),
+                "--tp-size",
+                str(self.tp_size),
+                "--frontend",
+                self.frontend,
+                "--dist-init",
+                dist_init,
+                "--device",
+                self.opts.device,
+                "--kv-pages",
+                str(self.opts.kv_pages),
+                "--kv-cache-mb",
+                str(self.opts.kv_cache_mb),
+                "--threads",
+                str(threads),
                 "--exit-with-parent",
             ]
             for key in self.opts.trusted_keys:
@@ -60,10 +77,16 @@ class LocalRanks:
             log = open(self.log_path(rank), "wb")
             # A session of its own: a Ctrl-C at the terminal reaches the frontend only, which
             # then stops the ranks in order.
-            self.procs.append(subprocess.Popen(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT,
-                start_new_session=True,
-            ))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    cwd=REPO_ROOT,
+                    start_new_session=True,
+                )
+            )
             log.close()
 
     def exited(self) -> list[tuple[int, int]]:

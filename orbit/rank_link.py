@@ -34,8 +34,13 @@ class RankInfo:
 
 
 class RankLink:
-    def __init__(self, tp_size: int, bind_host: str = "127.0.0.1", port: int = 0,
-                 curve: ServerKeys | None = None):
+    def __init__(
+        self,
+        tp_size: int,
+        bind_host: str = "127.0.0.1",
+        port: int = 0,
+        curve: ServerKeys | None = None,
+    ):
         """With curve keys, only ranks holding an allowed client key can connect, and the
         traffic is encrypted. Construct inside a running event loop (the authenticator is an
         asyncio task)."""

@@ -16,6 +16,9 @@ from pathlib import Path
 from rich.progress import Progress
 
 import orbit
+from prepare.model_spec import model_spec_from_config, sliding_window_limit
+from prepare.shard import check_source_names, rank_tensors
+from prepare.source import Checkpoint, SourceError, open_checkpoint
 from proto import package_pb2
 from runtime.layout import check_tp, shard_shapes
 from runtime.package import (
@@ -28,10 +31,6 @@ from runtime.package import (
 )
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
-
-from prepare.model_spec import model_spec_from_config, sliding_window_limit
-from prepare.shard import check_source_names, rank_tensors
-from prepare.source import Checkpoint, SourceError, open_checkpoint
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+from prepare.source import SourceError
 from runtime.layout import padded_vocab
 from runtime.spec import ModelSpec, RopeScaling
-
-from prepare.source import SourceError
 
 # model_type -> (family, q/k/v bias, q/k norm)
 FAMILIES = {

@@ -6,9 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
-from runtime.spec import ModelSpec
-
 from prepare.source import SourceError, TensorSource
+from runtime.spec import ModelSpec
 
 
 def _rows(src: TensorSource, name: str, rank: int, parts: int, dim: int = 0) -> torch.Tensor:
@@ -36,23 +35,30 @@ def rank_tensors(
     for i in range(spec.num_layers):
         s, o = f"model.layers.{i}.", f"layers.{i}."
         a = s + "self_attn."
-        yield o + "attn_norm.weight", src.slice(s + "input_layernorm.weight", 0, 0, spec.hidden_size)
-        yield o + "qkv.weight", torch.cat(
-            [_rows(src, a + f"{p}_proj.weight", rank, tp) for p in "qkv"]
+        yield (
+            o + "attn_norm.weight",
+            src.slice(s + "input_layernorm.weight", 0, 0, spec.hidden_size),
+        )
+        yield (
+            o + "qkv.weight",
+            torch.cat([_rows(src, a + f"{p}_proj.weight", rank, tp) for p in "qkv"]),
         )
         if spec.qkv_bias:
-            yield o + "qkv.bias", torch.cat(
-                [_rows(src, a + f"{p}_proj.bias", rank, tp) for p in "qkv"]
+            yield (
+                o + "qkv.bias",
+                torch.cat([_rows(src, a + f"{p}_proj.bias", rank, tp) for p in "qkv"]),
             )
         if spec.qk_norm:
             yield o + "q_norm.weight", src.slice(a + "q_norm.weight", 0, 0, spec.head_dim)
             yield o + "k_norm.weight", src.slice(a + "k_norm.weight", 0, 0, spec.head_dim)
         yield o + "o.weight", _rows(src, a + "o_proj.weight", rank, tp, dim=1)
-        yield o + "mlp_norm.weight", src.slice(
-            s + "post_attention_layernorm.weight", 0, 0, spec.hidden_size
+        yield (
+            o + "mlp_norm.weight",
+            src.slice(s + "post_attention_layernorm.weight", 0, 0, spec.hidden_size),
         )
-        yield o + "gate_up.weight", torch.cat(
-            [_rows(src, s + f"mlp.{p}_proj.weight", rank, tp) for p in ("gate", "up")]
+        yield (
+            o + "gate_up.weight",
+            torch.cat([_rows(src, s + f"mlp.{p}_proj.weight", rank, tp) for p in ("gate", "up")]),
         )
         yield o + "down.weight", _rows(src, s + "mlp.down_proj.weight", rank, tp, dim=1)
     yield "norm.weight", src.slice("model.norm.weight", 0, 0, spec.hidden_size)

@@ -92,7 +92,9 @@ class Checkpoint:
 def open_checkpoint(path: Path) -> Checkpoint:
     path = Path(path)
     if not path.exists():
-        raise SourceError(f"{path} does not exist; pass a Hugging Face model directory or a .gguf file.")
+        raise SourceError(
+            f"{path} does not exist; pass a Hugging Face model directory or a .gguf file."
+        )
     if path.is_file() and path.suffix == ".gguf":
         return _open_gguf(path)
     if path.is_dir() and (path / "config.json").is_file():

@@ -40,9 +40,17 @@ class RankConfig:
         p.add_argument("--curve-dir", default="")
         a = p.parse_args(argv)
         return cls(
-            package=a.package, rank=a.rank, tp_size=a.tp_size, frontend=a.frontend,
-            dist_init=a.dist_init, device=a.device, kv_pages=a.kv_pages,
-            kv_cache_mb=a.kv_cache_mb, heartbeat_s=a.heartbeat_s, threads=a.threads,
-            exit_with_parent=a.exit_with_parent, trusted_keys=tuple(a.trusted_key),
+            package=a.package,
+            rank=a.rank,
+            tp_size=a.tp_size,
+            frontend=a.frontend,
+            dist_init=a.dist_init,
+            device=a.device,
+            kv_pages=a.kv_pages,
+            kv_cache_mb=a.kv_cache_mb,
+            heartbeat_s=a.heartbeat_s,
+            threads=a.threads,
+            exit_with_parent=a.exit_with_parent,
+            trusted_keys=tuple(a.trusted_key),
             curve_dir=a.curve_dir,
         )

@@ -64,12 +64,17 @@ class Rank:
         trusted = [load_public_key(k) for k in cfg.trusted_keys] if cfg.trusted_keys else None
         pkg = open_package(cfg.package, trusted_keys=trusted)
         self.hello = wire_pb2.Hello(
-            rank=cfg.rank, tp_size=cfg.tp_size, package_digest=pkg.digest, pid=os.getpid(),
+            rank=cfg.rank,
+            tp_size=cfg.tp_size,
+            package_digest=pkg.digest,
+            pid=os.getpid(),
             hostname=socket.gethostname(),
         )
         self.send(hello=self.hello)
         if pkg.tp_size != cfg.tp_size:
-            raise ValueError(f"the package is for TP {pkg.tp_size}, the rank was started for {cfg.tp_size}")
+            raise ValueError(
+                f"the package is for TP {pkg.tp_size}, the rank was started for {cfg.tp_size}"
+            )
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         group = self._join_group()
@@ -82,7 +87,9 @@ class Rank:
         if cfg.tp_size > 1:
             dist.init_process_group(
                 "nccl" if cfg.device == "cuda" else "gloo",
-                init_method=cfg.dist_init, rank=cfg.rank, world_size=cfg.tp_size,
+                init_method=cfg.dist_init,
+                rank=cfg.rank,
+                world_size=cfg.tp_size,
                 timeout=timedelta(seconds=120),
             )
         return TPGroup(cfg.rank, cfg.tp_size)
@@ -150,10 +157,15 @@ class Rank:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             p = new.sampling
-            self.seqs[new.seq_id] = SeqState(SamplingParams(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, seed=p.seed,
-                num_logprobs=p.num_logprobs,
-            ))
+            self.seqs[new.seq_id] = SeqState(
+                SamplingParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                    num_logprobs=p.num_logprobs,
+                )
+            )
         inputs, sampling = [], []
         for s in plan.seqs:
             state = self.seqs[s.seq_id]
@@ -168,10 +180,15 @@ class Rank:
                 logits, [p for _, p, _ in sampling], [pos for _, _, pos in sampling]
             )
             for (seq_id, _, _), d in zip(sampling, drawn):
-                result.samples.append(wire_pb2.Sample(
-                    seq_id=seq_id, token_id=d.token_id, logprob=d.logprob,
-                    top_token_ids=[t for t, _ in d.top], top_logprobs=[lp for _, lp in d.top],
-                ))
+                result.samples.append(
+                    wire_pb2.Sample(
+                        seq_id=seq_id,
+                        token_id=d.token_id,
+                        logprob=d.logprob,
+                        top_token_ids=[t for t, _ in d.top],
+                        top_logprobs=[lp for _, lp in d.top],
+                    )
+                )
         self.last_step = plan.step_id
         result.execute_s = time.perf_counter() - t0
         return result
@@ -185,7 +202,9 @@ class Rank:
 
 
 def main(cfg: RankConfig) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s"
+    )
     rank = Rank(cfg)
     rank.start_heartbeats()
     try:

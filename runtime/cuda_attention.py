@@ -47,7 +47,8 @@ class DecodeAttention:
         self.kv, self.bucket, self.scale = kv, bucket, scale
         self.num_q_heads = num_q_heads
         self.write_pages, self.write_offsets = write_pages, write_offsets  # [bucket] int64 views
-        # The wrapper's fixed buffers, filled by the runner: [bucket + 1], [bucket * pages], [bucket]
+        # The wrapper's fixed buffers, filled by the runner:
+        # [bucket + 1], [bucket * pages], [bucket]
         self.indptr_buf = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
         self.indices_buf = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=device)
         self.last_len_buf = torch.ones(bucket, dtype=torch.int32, device=device)
@@ -70,9 +71,15 @@ class DecodeAttention:
             return  # same page counts: the split planned last time still holds
         s = self.kv.shape
         self.wrapper.plan(
-            torch.from_numpy(indptr), self.indices_buf[:num_indices],
-            torch.from_numpy(last_page_len), self.num_q_heads, s.kv_heads, s.head_dim,
-            s.page_size, q_data_type=self.kv.layers[0].dtype, sm_scale=self.scale,
+            torch.from_numpy(indptr),
+            self.indices_buf[:num_indices],
+            torch.from_numpy(last_page_len),
+            self.num_q_heads,
+            s.kv_heads,
+            s.head_dim,
+            s.page_size,
+            q_data_type=self.kv.layers[0].dtype,
+            sm_scale=self.scale,
         )
         self._planned_indptr = indptr.copy()
 
@@ -109,8 +116,16 @@ class PrefillAttention:
         s = self.kv.shape
         self.write_pages, self.write_offsets = write_pages, write_offsets
         self.wrapper.plan(
-            qo_indptr, kv_indptr, kv_indices, last_page_len, self.num_q_heads, s.kv_heads,
-            s.head_dim, s.page_size, causal=True, sm_scale=self.scale,
+            qo_indptr,
+            kv_indptr,
+            kv_indices,
+            last_page_len,
+            self.num_q_heads,
+            s.kv_heads,
+            s.head_dim,
+            s.page_size,
+            causal=True,
+            sm_scale=self.scale,
             q_data_type=self.kv.layers[0].dtype,
         )
 

@@ -22,10 +22,10 @@ A decode step (every sequence brings one token) pads the batch to the smallest b
 holds it, writes the inputs (token ids, positions, KV write slots, page tables) into pinned
 staging buffers, copies them to the device asynchronously (the whole small int64 staging
 buffer in one copy: a strided slice would need temporaries), plans the bucket's FlashInfer
-decode wrapper on the host when its page counts changed, and replays the bucket's graph. Padding rows
-read token 0 at position 0 and write their KV into the runner's own padding page (page id
-`kv_plan.num_pages`, never handed to the scheduler), so they never touch a real sequence's
-cache; every kernel works row by row (GEMMs, norms, attention), so padding rows cannot change
+decode wrapper on the host when its page counts changed, and replays the bucket's graph.
+Padding rows read token 0 at position 0 and write their KV into the runner's own padding
+page (page id `kv_plan.num_pages`, never handed to the scheduler), so they never touch a real
+sequence's cache; every kernel works row by row (GEMMs, norms, attention), so padding rows cannot change
 a real row's result. A decode batch larger than the largest bucket raises BucketError: it is
 never run eagerly in silence.
 
@@ -134,8 +134,12 @@ class CudaGraphRunner:
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
         self._decode: dict[int, DecodeAttention] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        log.info("KV pool: %d pages of %d tokens (%.1f GiB)", self.kv_plan.num_pages,
-                 self.page_size, self.kv_plan.pool_bytes / 2**30)
+        log.info(
+            "KV pool: %d pages of %d tokens (%.1f GiB)",
+            self.kv_plan.num_pages,
+            self.page_size,
+            self.kv_plan.pool_bytes / 2**30,
+        )
 
     # ---- start-up -----------------------------------------------------------------------
 
@@ -188,8 +192,12 @@ class CudaGraphRunner:
     def _size_pool(self, page_bytes: int, reserve_bytes: int) -> KVPoolPlan:
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
         return plan_kv_pool(
-            page_bytes, free_bytes, reserve_bytes, self.options.kv_fraction,
-            min_pages=self.caps.max_pages_per_seq, max_pages=self.options.max_kv_pages,
+            page_bytes,
+            free_bytes,
+            reserve_bytes,
+            self.options.kv_fraction,
+            min_pages=self.caps.max_pages_per_seq,
+            max_pages=self.options.max_kv_pages,
         )
 
     @torch.inference_mode()
@@ -199,9 +207,14 @@ class CudaGraphRunner:
         before = torch.cuda.memory_reserved()
         for bucket in sorted(self.buckets, reverse=True):
             attn = DecodeAttention(
-                self.kv, bucket, self.caps.max_pages_per_seq, self._workspace,
-                self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket],
-                self.scale, self.num_q_heads,
+                self.kv,
+                bucket,
+                self.caps.max_pages_per_seq,
+                self._workspace,
+                self._dev_i64[_PAGE, :bucket],
+                self._dev_i64[_SLOT, :bucket],
+                self.scale,
+                self.num_q_heads,
             )
             self._plan_decode([], bucket, attn)  # all padding rows
             side = torch.cuda.Stream()
@@ -214,8 +227,11 @@ class CudaGraphRunner:
                 self._decode_forward(bucket, attn)
             self._decode[bucket], self._graphs[bucket] = attn, graph
         torch.cuda.synchronize()
-        log.info("captured decode graphs for batch buckets %s (%.0f MiB of graph memory)",
-                 list(self.buckets), (torch.cuda.memory_reserved() - before) / 2**20)
+        log.info(
+            "captured decode graphs for batch buckets %s (%.0f MiB of graph memory)",
+            list(self.buckets),
+            (torch.cuda.memory_reserved() - before) / 2**20,
+        )
 
     @property
     def decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
@@ -322,8 +338,12 @@ class CudaGraphRunner:
         self._copied.record()
         dev = self._dev_i64
         attn.plan(
-            torch.from_numpy(qo_indptr), torch.from_numpy(kv_indptr), self._dev_i32[:used],
-            torch.from_numpy(last_len), dev[_PAGE, :num_tokens], dev[_SLOT, :num_tokens],
+            torch.from_numpy(qo_indptr),
+            torch.from_numpy(kv_indptr),
+            self._dev_i32[:used],
+            torch.from_numpy(last_len),
+            dev[_PAGE, :num_tokens],
+            dev[_SLOT, :num_tokens],
         )
         hidden = self.model(dev[_IDS, :num_tokens], dev[_POS, :num_tokens], attn)
         if not num_sample:  # every rank plans the same step, so all skip the LM head together

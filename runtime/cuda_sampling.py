@@ -33,9 +33,7 @@ def sample(
         tokens.index_copy_(0, rows, _draw(logits.index_select(0, rows), sub, seeds))
     token_ids = tokens.tolist()
     logprobs = _logprobs(logits, params, token_ids)
-    return [
-        Sampled(t, *logprobs.get(i, (float("nan"), ()))) for i, t in enumerate(token_ids)
-    ]
+    return [Sampled(t, *logprobs.get(i, (float("nan"), ()))) for i, t in enumerate(token_ids)]
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> torch.Tensor:

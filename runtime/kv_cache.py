@@ -23,7 +23,9 @@ class KVCacheShape:
     head_dim: int
 
     def bytes(self, dtype: torch.dtype) -> int:
-        elems = self.num_layers * self.num_pages * 2 * self.page_size * self.kv_heads * self.head_dim
+        elems = (
+            self.num_layers * self.num_pages * 2 * self.page_size * self.kv_heads * self.head_dim
+        )
         return elems * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
@@ -39,8 +41,13 @@ class KVCache:
         self.shape = shape
         self.layers = [
             torch.zeros(
-                shape.num_pages, 2, shape.page_size, shape.kv_heads, shape.head_dim,
-                dtype=dtype, device=device,
+                shape.num_pages,
+                2,
+                shape.page_size,
+                shape.kv_heads,
+                shape.head_dim,
+                dtype=dtype,
+                device=device,
             )
             for _ in range(shape.num_layers)
         ]

@@ -24,7 +24,9 @@ def valid_tp_sizes(spec: ModelSpec, limit: int = 64) -> list[int]:
     return [
         n
         for n in range(1, limit + 1)
-        if spec.num_heads % n == 0 and spec.num_kv_heads % n == 0 and spec.intermediate_size % n == 0
+        if spec.num_heads % n == 0
+        and spec.num_kv_heads % n == 0
+        and spec.intermediate_size % n == 0
     ]
 
 

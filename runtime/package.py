@@ -57,7 +57,8 @@ def read_manifest(package_dir: Path) -> package_pb2.Manifest:
         newest = max(READABLE_FORMAT_VERSIONS)
         fix = "upgrade Orbit" if v > newest else "re-create the package with `orbit prepare`"
         raise PackageError(
-            f"{path}: format_version {v} is not readable by this Orbit (reads up to {newest}); {fix}."
+            f"{path}: format_version {v} is not readable by this Orbit "
+            f"(reads up to {newest}); {fix}."
         )
     return manifest
 
@@ -152,7 +153,9 @@ def check_shard_tensors(
     for name, shape in expected.items():
         t = tensors[name]
         if tuple(t.shape) != shape:
-            raise PackageError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}.")
+            raise PackageError(
+                f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}."
+            )
         if t.dtype != dtype:
             raise PackageError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected {dtype}.")
 
@@ -163,14 +166,18 @@ def check_manifest(root: Path, m: package_pb2.Manifest) -> None:
     if m.dtype not in DTYPES:
         raise PackageError(f"{where}: dtype {m.dtype!r} is not one of {', '.join(DTYPES)}.")
     if m.tp_size < 1 or len(m.shards) != m.tp_size:
-        raise PackageError(f"{where}: tp_size is {m.tp_size} but {len(m.shards)} shards are listed.")
+        raise PackageError(
+            f"{where}: tp_size is {m.tp_size} but {len(m.shards)} shards are listed."
+        )
     for i, shard in enumerate(m.shards):
         if shard.rank != i:
             raise PackageError(f"{where}: shards[{i}].rank is {shard.rank}, expected {i}.")
         _safe_relative(root, shard.file.path)
     c = m.capacities
     if not (c.max_seq_len and c.max_batch and c.kv_page_size):
-        raise PackageError(f"{where}: capacities are incomplete (max_seq_len, max_batch, kv_page_size).")
+        raise PackageError(
+            f"{where}: capacities are incomplete (max_seq_len, max_batch, kv_page_size)."
+        )
     if not c.decode_batch_buckets or c.decode_batch_buckets[-1] != c.max_batch:
         raise PackageError(f"{where}: capacities.decode_batch_buckets must end at max_batch.")
     if not c.prefill_chunk_sizes:

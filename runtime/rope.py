@@ -16,12 +16,19 @@ def inverse_frequencies(spec: ModelSpec) -> torch.Tensor:
     if rs.type == "linear":
         return inv / rs.factor
     if rs.type == "llama3":
-        return _llama3(inv, rs.factor, rs.low_freq_factor, rs.high_freq_factor,
-                       rs.original_max_position_embeddings)
+        return _llama3(
+            inv,
+            rs.factor,
+            rs.low_freq_factor,
+            rs.high_freq_factor,
+            rs.original_max_position_embeddings,
+        )
     return inv
 
 
-def _llama3(inv: torch.Tensor, factor: float, low: float, high: float, old_ctx: int) -> torch.Tensor:
+def _llama3(
+    inv: torch.Tensor, factor: float, low: float, high: float, old_ctx: int
+) -> torch.Tensor:
     # Llama 3.1: long wavelengths are divided by factor, short ones kept, and the band between
     # is interpolated smoothly.
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high

@@ -27,7 +27,7 @@ class ReferenceRunner:
 
     def __init__(self, model: Transformer, kv: KVCache, device: str | torch.device = "cpu"):
         self.model, self.kv, self.device = model, kv, torch.device(device)
-        self.scale = model.spec.head_dim ** -0.5
+        self.scale = model.spec.head_dim**-0.5
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -37,9 +37,7 @@ class ReferenceRunner:
             n = len(s.token_ids)
             ids.extend(s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
-            spans.append(
-                SeqSpan(n, s.start_pos + n, torch.tensor(s.page_table, dtype=torch.long))
-            )
+            spans.append(SeqSpan(n, s.start_pos + n, torch.tensor(s.page_table, dtype=torch.long)))
             if s.sample:
                 last_rows.append(len(ids) - 1)
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -65,6 +65,8 @@ def _filtered_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Ten
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[int]) -> list[Sampled]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> list[Sampled]:
     """logits: [n, vocab]; one SamplingParams and predicted-token position per row."""
     return [sample_one(logits[i], p, pos) for i, (p, pos) in enumerate(zip(params, positions))]

@@ -171,12 +171,14 @@ class Scheduler:
         return [s for s in self.running if s.num_tokens - s.num_computed == 1 and s.num_computed]
 
     def _prefill_candidates(self) -> list[Sequence]:
-        partial = [s for s in self.running if s.num_tokens - s.num_computed > 1 or not s.num_computed]
+        partial = [
+            s for s in self.running if s.num_tokens - s.num_computed > 1 or not s.num_computed
+        ]
         return partial + list(self.waiting)
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         first = not seq.on_rank
-        new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0):]
+        new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
         seq.on_rank = True
         sample = seq.num_computed + n == seq.num_tokens
         return SeqChunk(seq, seq.num_computed, n, new_pages, sample, first)

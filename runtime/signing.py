@@ -27,14 +27,18 @@ def generate_keypair(private_path: Path) -> Path:
     private_path = Path(private_path)
     if private_path.exists():
         raise SignatureError(f"{private_path} already exists; choose another path.")
-    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     fd = os.open(private_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     public_path = private_path.with_name(private_path.name + ".pub")
-    public_path.write_bytes(key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
+    public_path.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
     return public_path
 
 
@@ -62,8 +66,9 @@ def sign_manifest(manifest_bytes: bytes, key: Ed25519PrivateKey) -> bytes:
     return key.sign(manifest_bytes)
 
 
-def verify_manifest(package_dir: Path, manifest_bytes: bytes,
-                    trusted: list[Ed25519PublicKey]) -> None:
+def verify_manifest(
+    package_dir: Path, manifest_bytes: bytes, trusted: list[Ed25519PublicKey]
+) -> None:
     """Refuse unless manifest.sig is a valid signature by one of the trusted keys."""
     sig_path = Path(package_dir) / SIGNATURE_NAME
     if not sig_path.is_file():

@@ -12,9 +12,20 @@ import triton.language as tl
 
 @triton.jit
 def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    q_stride_t, q_stride_h, k_stride_t, k_stride_h, cs_stride_t,
-    NUM_Q_HEADS: tl.constexpr, NUM_K_HEADS: tl.constexpr, HALF: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    cs_stride_t,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_K_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     # One program per (token, head) over q's heads then k's; NeoX half rotation:
@@ -49,9 +60,21 @@ def rope(q, k, q_out, k_out, cos, sin) -> None:
     hkv = k.shape[1]
     half = hd // 2
     _rope_kernel[(num_tokens, hq + hkv)](
-        q, k, q_out, k_out, cos, sin,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        NUM_Q_HEADS=hq, NUM_K_HEADS=hkv, HALF=half, BLOCK=triton.next_power_of_2(half),
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        NUM_Q_HEADS=hq,
+        NUM_K_HEADS=hkv,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
     )
 
 
@@ -77,10 +100,20 @@ def silu_mul(x, out) -> None:
 
 @triton.jit
 def _store_kv_kernel(
-    cache_ptr, k_ptr, v_ptr, pages_ptr, offsets_ptr,
-    k_stride_t, k_stride_h, v_stride_t, v_stride_h,
-    page_stride, kv_stride, slot_stride,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    cache_ptr,
+    k_ptr,
+    v_ptr,
+    pages_ptr,
+    offsets_ptr,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    page_stride,
+    kv_stride,
+    slot_stride,
+    HEAD_DIM: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # One program per (token, kv head): cache[page, 0, offset, head] = k; [page, 1, ...] = v.
     t = tl.program_id(0)
@@ -101,10 +134,20 @@ def store_kv(cache, k, v, pages, offsets) -> None:
     pages, offsets [T] int64: token t's page and slot in it."""
     num_tokens, hkv, hd = k.shape
     _store_kv_kernel[(num_tokens, hkv)](
-        cache, k, v, pages, offsets,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        cache.stride(0), cache.stride(1), cache.stride(2),
-        HEAD_DIM=hd, BLOCK=triton.next_power_of_2(hd),
+        cache,
+        k,
+        v,
+        pages,
+        offsets,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        HEAD_DIM=hd,
+        BLOCK=triton.next_power_of_2(hd),
     )
 
 

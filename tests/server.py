@@ -20,14 +20,25 @@ class ServerProcess:
     def __init__(self, package: Path, *args: str, ready_timeout_s: float = 180.0):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [sys.executable, "-m", "orbit", "serve", str(package), "--port", str(self.port),
-                    *args]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "orbit",
+            "serve",
+            str(package),
+            "--port",
+            str(self.port),
+            *args,
+        ]
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
         self.proc = subprocess.Popen(
-            self.cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            self.cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         deadline = time.monotonic() + self.ready_timeout_s

@@ -35,7 +35,9 @@ async def _scenario(tmp_path):
     socks = [
         await _send_hello(link.endpoint, 0, ClientKeys.load(good)),
         await _send_hello(link.endpoint, 1, None),  # plain ZeroMQ, no CURVE at all
-        await _send_hello(link.endpoint, 2, ClientKeys(strange.public, strange.secret, server.public)),
+        await _send_hello(
+            link.endpoint, 2, ClientKeys(strange.public, strange.secret, server.public)
+        ),
     ]
     for _ in range(40):
         if link.ranks[0].hello is not None:

@@ -1,4 +1,5 @@
-"""Packages written by older Orbits still load and compute what they did (docs/package-format.md)."""
+"""Packages written by older Orbits still load and compute what they did
+(docs/package-format.md)."""
 
 from __future__ import annotations
 

@@ -46,9 +46,21 @@ def test_non_dividing_tp_names_field_and_valid_sizes(smollm2_path, tmp_path):
 
 def test_cli_reports_non_dividing_tp(tiny_checkpoints, tmp_path):
     r = subprocess.run(
-        [sys.executable, "-m", "orbit", "prepare", str(tiny_checkpoints["llama"]), "--tp", "3",
-         "--out", str(tmp_path / "out")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "orbit",
+            "prepare",
+            str(tiny_checkpoints["llama"]),
+            "--tp",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r.returncode == 1
     assert "num_heads=4 is not divisible by --tp 3; valid TP sizes for this model: 1, 2." in (
@@ -68,7 +80,9 @@ def test_flipped_byte_in_shard(pkg):
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
-    with pytest.raises(PackageError, match=rf"{shard}: sha256 is [0-9a-f]{{64}}, the manifest says"):
+    with pytest.raises(
+        PackageError, match=rf"{shard}: sha256 is [0-9a-f]{{64}}, the manifest says"
+    ):
         open_package(pkg).load_shard(0)
 
 
@@ -77,7 +91,9 @@ def test_truncated_shard(pkg):
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size - 100)
-    with pytest.raises(PackageError, match=rf"size_bytes is {size - 100}, the manifest says {size}"):
+    with pytest.raises(
+        PackageError, match=rf"size_bytes is {size - 100}, the manifest says {size}"
+    ):
         open_package(pkg).load_shard(0)
 
 
@@ -141,9 +157,20 @@ def test_existing_output_is_not_replaced_without_force(tiny_checkpoints, tmp_pat
 def test_interrupted_prepare_leaves_no_package(smollm2_path, tmp_path, sig):
     out = tmp_path / "pkg"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "orbit", "prepare", str(smollm2_path), "--tp", "3",
-         "--out", str(out)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        [
+            sys.executable,
+            "-m",
+            "orbit",
+            "prepare",
+            str(smollm2_path),
+            "--tp",
+            "3",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".pkg.partial-*")) and time.monotonic() < deadline:

@@ -23,7 +23,7 @@ def _reference(checkpoint, prompts, gguf=None):
             gen = model.generate(
                 ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_NEW, do_sample=False
             )
-            out.append((logits, gen[0, len(p):].tolist()))
+            out.append((logits, gen[0, len(p) :].tolist()))
     return out
 
 
@@ -44,8 +44,9 @@ def _check(results, reference):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
-def test_tiny_family_matches_transformers(family, tiny_checkpoints, tokenizer_dir, package_cache,
-                                          tmp_path):
+def test_tiny_family_matches_transformers(
+    family, tiny_checkpoints, tokenizer_dir, package_cache, tmp_path
+):
     ckpt = tiny_checkpoints[family]
     prompts = _prompts(tokenizer_dir)
     reference = _reference(ckpt, prompts)

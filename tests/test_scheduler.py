@@ -16,8 +16,13 @@ def _config(**kw) -> SchedulerConfig:
 
 
 def _seq(seq_id: int, prompt_len: int, max_tokens: int, stop=frozenset()) -> Sequence:
-    return Sequence(seq_id, list(range(100, 100 + prompt_len)), max_tokens, SamplingParams(),
-                    stop_token_ids=frozenset(stop))
+    return Sequence(
+        seq_id,
+        list(range(100, 100 + prompt_len)),
+        max_tokens,
+        SamplingParams(),
+        stop_token_ids=frozenset(stop),
+    )
 
 
 class RankModel:

@@ -36,8 +36,9 @@ def smol_server(smollm2_pkg):
 
 @pytest.fixture(scope="module")
 def tiny_tp2_server(tiny_checkpoints, package_cache):
-    pkg = package_cache(tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4,
-                        max_step_tokens=32)
+    pkg = package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4, max_step_tokens=32
+    )
     with ServerProcess(pkg, "--kv-pages", "512") as server:
         yield server
 
@@ -65,9 +66,10 @@ def smol_reference(smollm2_path):
 def _transformers_greedy(model, prompt_ids: list[int], max_new: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                             do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def _tokenizer(server):
@@ -110,8 +112,7 @@ def test_tiny_llama_greedy_equals_transformers(tp, tiny_checkpoints, package_cac
         for prompt in PROMPTS:
             ids = tok(prompt).input_ids
             ref = _transformers_greedy(reference, ids, 24)
-            got = client.completions.create(model=_model(server), prompt=ids, logprobs=0,
-                                             **GREEDY)
+            got = client.completions.create(model=_model(server), prompt=ids, logprobs=0, **GREEDY)
             assert got.usage.completion_tokens == len(ref)
             assert got.choices[0].text == tok.decode(ref, skip_special_tokens=True)
 
@@ -119,18 +120,30 @@ def test_tiny_llama_greedy_equals_transformers(tp, tiny_checkpoints, package_cac
 def test_stream_concatenates_to_non_streamed_text(smol_server):
     client, model = _client(smol_server), _model(smol_server)
     full = client.completions.create(model=model, prompt=PROMPTS[2], **GREEDY)
-    chunks = list(client.completions.create(
-        model=model, prompt=PROMPTS[2], stream=True, stream_options={"include_usage": True},
-        **GREEDY,
-    ))
+    chunks = list(
+        client.completions.create(
+            model=model,
+            prompt=PROMPTS[2],
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == full.choices[0].text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
-    chat = list(client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hi"}], stream=True, **GREEDY,
-    ))
+    chat = list(
+        client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": "Say hi"}],
+            stream=True,
+            **GREEDY,
+        )
+    )
     chat_full = client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Say hi"}], **GREEDY,
+        model=model,
+        messages=[{"role": "user", "content": "Say hi"}],
+        **GREEDY,
     )
     streamed = "".join(c.choices[0].delta.content or "" for c in chat if c.choices)
     assert streamed == chat_full.choices[0].message.content
@@ -148,32 +161,40 @@ def test_concurrent_requests_equal_their_single_outputs(tiny_tp2_server):
     reqs = _mixed_requests(32)
     alone = [
         client.completions.create(model=model, prompt=p, max_tokens=m, temperature=0)
-        .choices[0].text
+        .choices[0]
+        .text
         for p, m in reqs
     ]
 
     async def all_at_once():
-        aclient = openai.AsyncOpenAI(base_url=tiny_tp2_server.url + "/v1", api_key="x",
-                                     max_retries=0)
-        outs = await asyncio.gather(*(
-            aclient.completions.create(model=model, prompt=p, max_tokens=m, temperature=0)
-            for p, m in reqs
-        ))
+        aclient = openai.AsyncOpenAI(
+            base_url=tiny_tp2_server.url + "/v1", api_key="x", max_retries=0
+        )
+        outs = await asyncio.gather(
+            *(
+                aclient.completions.create(model=model, prompt=p, max_tokens=m, temperature=0)
+                for p, m in reqs
+            )
+        )
         return [o.choices[0].text for o in outs]
 
     assert asyncio.run(all_at_once()) == alone
 
 
 def test_kv_exhaustion_preempts_and_loses_nothing(tiny_checkpoints, package_cache):
-    pkg = package_cache(tiny_checkpoints["qwen3"], 1, max_batch=8, kv_page_size=4,
-                        max_step_tokens=32)
+    pkg = package_cache(
+        tiny_checkpoints["qwen3"], 1, max_batch=8, kv_page_size=4, max_step_tokens=32
+    )
     reqs = [(p, 40) for p, _ in _mixed_requests(8)]
     with ServerProcess(pkg, "--kv-pages", "512") as roomy:
         model = _model(roomy)
         alone = [
-            _client(roomy).completions.create(model=model, prompt=p, max_tokens=m,
-                                              temperature=0, extra_body={"ignore_eos": True})
-            .choices[0].text
+            _client(roomy)
+            .completions.create(
+                model=model, prompt=p, max_tokens=m, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
             for p, m in reqs
         ]
     # 40 pages of 4 tokens cannot hold eight sequences of up to ~80 tokens at once.
@@ -181,11 +202,18 @@ def test_kv_exhaustion_preempts_and_loses_nothing(tiny_checkpoints, package_cach
 
         async def all_at_once():
             aclient = openai.AsyncOpenAI(base_url=tight.url + "/v1", api_key="x", max_retries=0)
-            outs = await asyncio.gather(*(
-                aclient.completions.create(model=model, prompt=p, max_tokens=m, temperature=0,
-                                           extra_body={"ignore_eos": True})
-                for p, m in reqs
-            ))
+            outs = await asyncio.gather(
+                *(
+                    aclient.completions.create(
+                        model=model,
+                        prompt=p,
+                        max_tokens=m,
+                        temperature=0,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for p, m in reqs
+                )
+            )
             return [o.choices[0].text for o in outs]
 
         assert asyncio.run(all_at_once()) == alone
@@ -244,8 +272,14 @@ def test_bad_requests_get_400_and_server_keeps_serving(smol_server):
 
 def test_disconnect_mid_stream_frees_the_sequence(smol_server):
     before = smol_server.metrics()
-    body = {"model": _model(smol_server), "prompt": PROMPTS[2], "max_tokens": 400,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    body = {
+        "model": _model(smol_server),
+        "prompt": PROMPTS[2],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", smol_server.url + "/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
@@ -259,14 +293,17 @@ def test_disconnect_mid_stream_frees_the_sequence(smol_server):
     assert m["orbit_running_sequences"] == 0
     assert m["orbit_kv_pages_in_use"] == 0
     aborted = sum(v for k, v in m.items() if k.startswith("orbit_aborted_requests_total"))
-    aborted_before = sum(v for k, v in before.items() if k.startswith("orbit_aborted_requests_total"))
+    aborted_before = sum(
+        v for k, v in before.items() if k.startswith("orbit_aborted_requests_total")
+    )
     assert aborted == aborted_before + 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_stops_everything(sig, tiny_checkpoints, package_cache):
-    pkg = package_cache(tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4,
-                        max_step_tokens=32)
+    pkg = package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4, max_step_tokens=32
+    )
     server = ServerProcess(pkg, "--kv-pages", "64").__enter__()
     ranks = server.rank_pids()
     assert len(ranks) == 2

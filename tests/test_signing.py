@@ -16,8 +16,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _orbit(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orbit", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "orbit", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +37,16 @@ def keys(tmp_path_factory):
 @pytest.fixture(scope="module")
 def signed(keys, tiny_checkpoints, tmp_path_factory):
     out = tmp_path_factory.mktemp("signed") / "pkg"
-    r = _orbit("prepare", str(tiny_checkpoints["qwen3"]), "--out", str(out), "--max-batch", "4",
-               "--sign", str(keys["good"][0]))
+    r = _orbit(
+        "prepare",
+        str(tiny_checkpoints["qwen3"]),
+        "--out",
+        str(out),
+        "--max-batch",
+        "4",
+        "--sign",
+        str(keys["good"][0]),
+    )
     assert r.returncode == 0, r.stderr
     return out
 
@@ -58,18 +71,34 @@ def test_tampered_manifest_is_refused(signed, keys, tmp_path):
         open_package(pkg, trusted_keys=[load_public_key(keys["good"][1])])
 
 
-def test_unsigned_package_is_refused_by_serve_and_by_a_rank(keys, tiny_checkpoints,
-                                                             package_cache):
+def test_unsigned_package_is_refused_by_serve_and_by_a_rank(keys, tiny_checkpoints, package_cache):
     unsigned = package_cache(tiny_checkpoints["qwen3"], 1, max_batch=4)
     r = _orbit("serve", str(unsigned), "--port", "1", "--trusted-key", str(keys["good"][1]))
     assert r.returncode == 1
     assert "is not signed (manifest.sig is missing)" in " ".join(r.stderr.split())
     # A rank checks on its own too: a tampered frontend cannot make it load an unsigned package.
     rank = subprocess.run(
-        [sys.executable, "-m", "ranks", "--package", str(unsigned), "--rank", "0",
-         "--tp-size", "1", "--frontend", "tcp://127.0.0.1:9", "--dist-init", "tcp://127.0.0.1:9",
-         "--trusted-key", str(keys["good"][1])],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "ranks",
+            "--package",
+            str(unsigned),
+            "--rank",
+            "0",
+            "--tp-size",
+            "1",
+            "--frontend",
+            "tcp://127.0.0.1:9",
+            "--dist-init",
+            "tcp://127.0.0.1:9",
+            "--trusted-key",
+            str(keys["good"][1]),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert rank.returncode == 1
     assert "is not signed" in rank.stderr

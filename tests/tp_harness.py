@@ -72,8 +72,9 @@ def _worker(rank, tp, port, package_dir, prompts, max_new, chunk, out_path):
         dist.destroy_process_group()
 
 
-def run_tp(package_dir: Path, tp: int, prompts: list[list[int]], max_new: int, chunk: int,
-           tmp: Path) -> list[dict]:
+def run_tp(
+    package_dir: Path, tp: int, prompts: list[list[int]], max_new: int, chunk: int, tmp: Path
+) -> list[dict]:
     """Greedy-generate each prompt on `tp` processes; returns rank 0's logits and ids."""
     out = tmp / f"result-tp{tp}.json"
     mp.start_processes(

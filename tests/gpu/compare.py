@@ -19,6 +19,8 @@ def bf16_bounds(errors: dict[str, float]) -> tuple[float, float]:
     independent bf16 errors of it."""
     own = errors["transformers_bf16_vs_fp32"]
     return max(BF16_REL_TOL, 1.25 * own), max(BF16_REL_TOL, 2 * own)
+
+
 PROMPT_LENS = (200, 77, 131)
 
 

@@ -20,7 +20,10 @@ def nccl_group():
     from tests.tp_harness import free_port
 
     dist.init_process_group(
-        "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{free_port()}",
+        rank=0,
+        world_size=1,
         device_id=torch.device("cuda", 0),
     )
     yield TPGroup(0, 1, always_communicate=True)

@@ -26,12 +26,22 @@ def llama_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
-        num_key_value_heads=2, vocab_size=32000, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=False, initializer_range=0.01,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        initializer_range=0.01,
         rope_parameters={
-            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
-            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 512,
         },
     )
@@ -42,9 +52,16 @@ def smollm2_config():
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
-        rms_norm_eps=1e-5, tie_word_embeddings=True, initializer_range=0.01,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        vocab_size=49152,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        initializer_range=0.01,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
     )
 

@@ -27,7 +27,9 @@ def prefill(runner, prompts, tables, chunk: int = 64, budget: int = 256) -> list
             n = min(chunk, len(p) - done[i], left)
             if n <= 0:
                 continue
-            seqs.append(SeqInput(p[done[i] : done[i] + n], done[i], tables[i], done[i] + n == len(p)))
+            seqs.append(
+                SeqInput(p[done[i] : done[i] + n], done[i], tables[i], done[i] + n == len(p))
+            )
             owners.append(i)
             done[i], left = done[i] + n, left - n
         out = runner.step(seqs)
@@ -57,7 +59,9 @@ def teacher_forced(runner, prompts, continuations, tables) -> list[list[torch.Te
     return logits
 
 
-def greedy(runner, prompts, tables, max_new: int) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+def greedy(
+    runner, prompts, tables, max_new: int
+) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
     """Free-running greedy decode of all prompts as one batch: (tokens, logits per step)."""
     first = prefill(runner, prompts, tables)
     tokens = [[int(row.argmax())] for row in first]

@@ -60,8 +60,10 @@ def test_greedy_matches_cpu_reference(llama, report):
     ref_logits = steps.teacher_forced(
         models.reference_runner(spec, tensors), prompts, [t[:-1] for t in gpu_tokens], tables
     )
-    agree = [check_greedy(g, r, gl, rl) for g, r, gl, rl in
-             zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)]
+    agree = [
+        check_greedy(g, r, gl, rl)
+        for g, r, gl, rl in zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)
+    ]
     report("llama_greedy_vs_cpu_reference", tokens_agreeing=agree, max_new=32)
 
 
@@ -123,8 +125,12 @@ def test_steady_state_allocates_no_gpu_memory(llama, report, which):
     steps.prefill(runner, prompts, tables)
     torch.cuda.synchronize()
     after = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
-    report(f"steady_state_memory_{which}", before=before, after=after,
-           decode_step_allocations=decode_allocs)
+    report(
+        f"steady_state_memory_{which}",
+        before=before,
+        after=after,
+        decode_step_allocations=decode_allocs,
+    )
     assert decode_allocs == 0
     assert after[1] == before[1]
     if which == "plain":

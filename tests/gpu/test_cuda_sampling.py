@@ -73,8 +73,11 @@ def test_filtered_probs_match_the_cpu_filter():
 def test_logprobs_match_the_cpu_path():
     torch.manual_seed(4)
     logits = torch.randn(3, VOCAB)
-    params = [SamplingParams(temperature=0, num_logprobs=5), SamplingParams(temperature=0),
-              SamplingParams(temperature=0, num_logprobs=0)]
+    params = [
+        SamplingParams(temperature=0, num_logprobs=5),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0, num_logprobs=0),
+    ]
     got = sample(logits.cuda(), params, [1, 2, 3])
     cpu = sampling.sample(logits, params, [1, 2, 3])
     for g, c in zip(got, cpu):

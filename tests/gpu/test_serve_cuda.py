@@ -53,8 +53,14 @@ def packages(tmp_path_factory):
 
 # httpx, not the openai client: the GPU machine has no openai package (the CPU e2e tests use it).
 def _complete(server: ServerProcess, prompt: str, **kw) -> httpx.Response:
-    body = {"model": "ckpt", "prompt": prompt, "max_tokens": 24, "temperature": 0,
-            "ignore_eos": True, **kw}
+    body = {
+        "model": "ckpt",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
     return httpx.post(server.url + "/v1/completions", json=body, timeout=120)
 
 
@@ -65,8 +71,14 @@ def _greedy(server: ServerProcess, prompt: str):
 
 
 def _streamed(server: ServerProcess, prompt: str) -> str:
-    body = {"model": "ckpt", "prompt": prompt, "max_tokens": 24, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": "ckpt",
+        "prompt": prompt,
+        "max_tokens": 24,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text = ""
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():

@@ -48,6 +48,8 @@ def test_smollm2_arch_greedy_matches_cpu_reference(smollm2, report):
     ref_logits = steps.teacher_forced(
         models.reference_runner(spec, tensors), prompts, [t[:-1] for t in gpu_tokens], tables
     )
-    agree = [check_greedy(g, r, gl, rl, tol=DEEP_BF16_REL_TOL) for g, r, gl, rl in
-             zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)]
+    agree = [
+        check_greedy(g, r, gl, rl, tol=DEEP_BF16_REL_TOL)
+        for g, r, gl, rl in zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)
+    ]
     report("smollm2_arch_greedy_vs_cpu_reference", tokens_agreeing=agree, max_new=32)
