@@ -17,8 +17,17 @@ err = Console(stderr=True)
 
 
 @app.callback()
-def _root() -> None:
+def _root(
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where cluster state records live (default ~/.cache/orbit/clusters)."),
+    ] = None,
+) -> None:
     """Orbit: prepare a model, bring a cluster up, serve an OpenAI-compatible API."""
+    if state_dir is not None:
+        from orbit.cluster_state import use_state_dir
+
+        use_state_dir(state_dir)
 
 
 def fail(message: str, code: int = 1) -> None:
@@ -93,11 +102,16 @@ def serve(
     package: Annotated[
         Path | None, typer.Argument(help="A package directory; omit to serve the default model.")
     ] = None,
+    cluster: Annotated[
+        Path | None,
+        typer.Option(help="cluster.toml of ranks started by `orbit up`: serve them, start none."),
+    ] = None,
     host: Annotated[str, typer.Option(help="Address the HTTP API listens on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port the HTTP API listens on.")] = 8000,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
+    max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
     threads: Annotated[int, typer.Option(help="torch threads per CPU rank; 0: cores / ranks.")] = 0,
     model_name: Annotated[str, typer.Option(help="Name served at /v1/models.")] = "",
     api_key: Annotated[str | None, typer.Option(help="Require this Bearer key.")] = None,
@@ -117,16 +131,20 @@ def serve(
     import asyncio
     import logging
 
+    from orbit.cluster_config import ClusterConfigError
     from orbit.default_model import DefaultModelMissing, default_package
     from orbit.local_ranks import LocalRankOptions
     from orbit.serve import ServeOptions
     from orbit.serve import serve as run_serve
+    from orbit.ssh import ClusterError
     from runtime.package import PackageError
     from runtime.signing import SignatureError
 
     if device not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, not {device!r}.")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if cluster is not None:
+        package = _cluster_package(package, cluster)
     try:
         if package is None:
             err.print("preparing the default model (SmolLM2-135M-Instruct) if needed...")
@@ -142,7 +160,8 @@ def serve(
             fail(f"--api-key-file {api_key_file} is empty.")
     opts = ServeOptions(
         package=package, host=host, port=port, model_name=model_name, api_key=api_key,
-        drain_timeout_s=drain_timeout, trusted_keys=tuple(trusted_key or ()),
+        drain_timeout_s=drain_timeout, trusted_keys=tuple(trusted_key or ()), max_queue=max_queue,
+        cluster=cluster,
         ranks=LocalRankOptions(device=device, kv_pages=kv_pages, kv_cache_mb=kv_cache_mb,
                                threads=threads, trusted_keys=tuple(trusted_key or ())),
     )
@@ -155,4 +174,156 @@ def serve(
         code = asyncio.run(run_serve(opts, on_ready=on_ready))
     except (PackageError, SignatureError) as e:
         fail(str(e))
+    except (ClusterError, ClusterConfigError) as e:
+        fail(_message(e))
     raise typer.Exit(code)
+
+
+# ---- cluster commands: orbit/cluster_up.py, cluster_ops.py, cluster_display.py ---------------
+
+ClusterFile = Annotated[Path, typer.Argument(help="The cluster.toml file (docs/cluster.md).")]
+
+
+def _message(e: BaseException) -> str:
+    """The error and its notes (bring-up notes what it stopped after a failure), escaped for
+    rich: log tails hold brackets that are not markup."""
+    from rich.markup import escape
+
+    return escape("\n".join([str(e), *getattr(e, "__notes__", [])]))
+
+
+def _run_cluster(make_coro, ctrl_c_ends: bool = False):
+    """asyncio.run the library call; typed errors become one message and exit status 1. With
+    ctrl_c_ends, Ctrl-C is the normal way out (logs --follow) and exits 0."""
+    import asyncio
+
+    from orbit.cluster_config import ClusterConfigError
+    from orbit.curve import CurveError
+    from orbit.ssh import ClusterError
+    from runtime.package import PackageError
+
+    try:
+        return asyncio.run(make_coro())
+    except (ClusterError, ClusterConfigError, CurveError, PackageError) as e:
+        fail(_message(e))
+    except KeyboardInterrupt:
+        if ctrl_c_ends:
+            return None
+        fail("interrupted; whatever this command had started was stopped.", code=130)
+
+
+def _cluster_package(package: Path | None, cluster: Path) -> Path:
+    from orbit.cluster_config import ClusterConfigError, load_cluster_config
+
+    try:
+        configured = load_cluster_config(cluster).package
+    except ClusterConfigError as e:
+        fail(str(e))
+    if package is not None and package.absolute() != configured.absolute():
+        fail(f"--cluster serves {configured} (from {cluster}), not {package}; drop PACKAGE.")
+    return configured
+
+
+@app.command()
+def up(
+    cluster_toml: ClusterFile,
+    accept_new_host_keys: Annotated[
+        bool, typer.Option(help="Trust and record host keys not yet in known_hosts.")
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds for connecting and for every rank to become ready.")
+    ] = 600.0,
+    kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
+    kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
+) -> None:
+    """Push the package to every host of cluster.toml, start its ranks, wait until all are ready."""
+    from orbit.cluster_progress import RichUpEvents
+    from orbit.cluster_up import UpOptions
+    from orbit.cluster_up import up as run_up
+
+    opts = UpOptions(
+        accept_new_host_keys=accept_new_host_keys,
+        timeout_s=timeout,
+        kv_pages=kv_pages,
+        kv_cache_mb=kv_cache_mb,
+    )
+    with RichUpEvents(err) as events:
+        result = _run_cluster(lambda: run_up(cluster_toml, opts, events))
+    state = result.state
+    what = "already up" if result.already_running else "up"
+    err.print(
+        f"{what}: {state.tp_size} ranks of package {state.package_digest[:12]} on "
+        f"{len(state.hosts)} hosts, frontend {state.frontend_endpoint}; serve them with "
+        f"`orbit serve --cluster {cluster_toml}`.",
+        highlight=False,
+    )
+
+
+@app.command()
+def status(
+    cluster_toml: Annotated[
+        Path | None, typer.Argument(help="A cluster.toml; omit to show every recorded cluster.")
+    ] = None,
+) -> None:
+    """Show every rank: host, pid, alive, package, uptime, log. Exit 1 unless all are alive."""
+    from orbit.cluster_display import status_table
+    from orbit.cluster_ops import require_state, state_status
+    from orbit.cluster_state import ClusterStateError, all_states
+
+    try:
+        states = [require_state(cluster_toml)] if cluster_toml else all_states()
+    except ClusterStateError as e:
+        fail(_message(e))
+    if not states:
+        err.print("no cluster is recorded; `orbit up cluster.toml` brings one up.")
+        return
+    out = Console()
+    healthy = True
+    for state in states:
+        statuses = _run_cluster(lambda state=state: state_status(state))
+        out.print(status_table(state, statuses))
+        healthy = healthy and all(s.alive for s in statuses)
+    raise typer.Exit(0 if healthy else 1)
+
+
+@app.command()
+def logs(
+    cluster_toml: ClusterFile,
+    rank: Annotated[int | None, typer.Option(help="Only this rank's log.")] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Keep printing new lines until Ctrl-C.")
+    ] = False,
+    lines: Annotated[int, typer.Option(help="How many of the last lines to print.")] = 50,
+) -> None:
+    """Print the ranks' logs, read over SSH."""
+    from orbit.cluster_ops import cluster_logs, follow_cluster_logs
+
+    if follow:
+
+        async def follow_all() -> None:
+            async for r, line in follow_cluster_logs(cluster_toml, rank, lines):
+                print(line if rank is not None else f"[rank {r}] {line}", flush=True)
+
+        _run_cluster(follow_all, ctrl_c_ends=True)
+        return
+    for record, host, text in _run_cluster(lambda: cluster_logs(cluster_toml, rank, lines)):
+        if rank is None:
+            print(f"==> rank {record.rank} on {host.label}: {record.log_file} <==")
+        print(text)
+
+
+@app.command()
+def down(
+    cluster_toml: ClusterFile,
+    grace: Annotated[
+        float, typer.Option(help="Seconds ranks get after SIGTERM before SIGKILL.")
+    ] = 10.0,
+) -> None:
+    """Stop every rank `orbit up` started for cluster.toml and forget the cluster."""
+    from orbit.cluster_ops import cluster_down
+
+    state = _run_cluster(lambda: cluster_down(cluster_toml, grace))
+    if state is None:
+        err.print(f"nothing to stop: no cluster is recorded for {cluster_toml}.", highlight=False)
+        return
+    err.print(f"down: stopped {state.tp_size} ranks on {len(state.hosts)} hosts.", highlight=False)

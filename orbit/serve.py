@@ -40,6 +40,7 @@ class ServeOptions:
     drain_timeout_s: float = 30.0
     log_dir: Path | None = None
     trusted_keys: tuple[Path, ...] = ()  # non-empty: the package must be signed by one
+    max_queue: int = 1024  # waiting requests beyond this get 429
     # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
     # ones (orbit/cluster_serve.py); `package` is then the one cluster.toml names.
     cluster: Path | None = None
@@ -86,7 +87,7 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     engine = Engine(EngineConfig(
         model_name=name, max_seq_len=caps.max_seq_len, max_batch=caps.max_batch,
         page_size=caps.kv_page_size, max_step_tokens=caps.max_step_tokens,
-        eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
+        eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids), max_queue=opts.max_queue,
     ), link, tokenizer)
     server = _Server(uvicorn.Config(
         create_app(engine, name, api_key=opts.api_key), host=opts.host, port=opts.port,

@@ -17,19 +17,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class ServerProcess:
-    def __init__(self, package: Path, *args: str, ready_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        package: Path,
+        *args: str,
+        ready_timeout_s: float = 180.0,
+        orbit_args: tuple[str, ...] = (),
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [
-            sys.executable,
-            "-m",
-            "orbit",
-            "serve",
-            str(package),
-            "--port",
-            str(self.port),
-            *args,
-        ]
+        self.package = Path(package)
+        self.cmd = [sys.executable, "-m", "orbit", *orbit_args, "serve", str(package)]
+        self.cmd += ["--port", str(self.port), *args]
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
 

@@ -75,7 +75,7 @@ def _transformers_greedy(model, prompt_ids: list[int], max_new: int) -> list[int
 def _tokenizer(server):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(server.cmd[4]) + "/tokenizer")
+    return AutoTokenizer.from_pretrained(str(server.package / "tokenizer"))
 
 
 def test_smollm2_greedy_completions_equal_transformers(smol_server, smol_reference):

@@ -1,0 +1,449 @@
+"""`orbit up / status / logs / down` and `orbit serve --cluster` against two real OpenSSH hosts
+(tests/sshd.py: one network namespace each), with CPU ranks of a tiny TP=2 llama. Completions
+through the openai client must equal transformers' greedy generate()."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from orbit.cluster_ops import cluster_down
+from orbit.cluster_serve import HEARTBEAT_SILENCE_S
+from orbit.cluster_state import load_state, state_path, use_state_dir
+from orbit.cluster_up import RankStartError, UpOptions, up
+from orbit.ssh import HostUnreachableError
+from runtime.package import read_manifest
+from tests.server import ServerProcess, alive
+from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[1]
+UP_TIMEOUT_S = 120.0
+CLI_TIMEOUT_S = 180.0
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+@pytest.fixture(scope="module")
+def hosts(ssh_hosts) -> list[TestHost]:  # noqa: F811
+    return ssh_hosts
+
+
+# `orbit --state-dir DIR`, set by the autouse fixture below for every CLI call of this module.
+STATE_ARGS: tuple[str, ...] = ()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def state_dir(tmp_path_factory):
+    """Cluster state records go to a test folder, for this process and the CLI it runs."""
+    folder = tmp_path_factory.mktemp("state")
+    use_state_dir(folder)
+    global STATE_ARGS
+    STATE_ARGS = ("--state-dir", str(folder))
+    yield folder
+    use_state_dir(Path("~/.cache/orbit/clusters"))
+
+
+@pytest.fixture(scope="module")
+def package(tiny_checkpoints, package_cache) -> Path:
+    return package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=8, kv_page_size=4, max_step_tokens=32
+    )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    path: Path  # cluster.toml
+    workdirs: tuple[Path, ...]
+
+
+def interface_of(host: TestHost) -> str:
+    """The interface holding the host's address: gloo must use it, not loopback."""
+    if not host.netns:
+        return "lo"
+    out = host.run(f"ip -o -4 addr show to {host.address}")
+    return out.split()[1]
+
+
+def host_table(host: TestHost, workdir: Path, **overrides) -> str:
+    fields = {
+        "address": host.address,
+        "ssh_port": host.port,
+        "user": host.user,
+        "identity_file": str(host.identity_file),
+        "known_hosts": str(host.known_hosts),
+        "gpus": 1,
+        "device": "cpu",
+        "workdir": str(workdir),
+        "python": sys.executable,
+        "nccl_interface": interface_of(host),
+        **overrides,
+    }
+    lines = ["[[hosts]]", *(f"{k} = {json.dumps(v)}" for k, v in fields.items())]
+    lines.append(f"env = {{ PYTHONPATH = {json.dumps(str(REPO))} }}")
+    return "\n".join(lines) + "\n"
+
+
+def write_cluster(
+    folder: Path, package: Path, hosts: list[TestHost], name: str, **per_host: dict
+) -> Cluster:
+    """cluster.toml for `hosts` with fresh workdirs; per_host["host1"] overrides host1's keys."""
+    folder.mkdir(parents=True, exist_ok=True)
+    start = random.randrange(20000, 60000, 100)
+    text = (
+        f"package = {json.dumps(str(package))}\n\n[frontend]\n"
+        f"address = {json.dumps(hosts[0].gateway)}\nport_range = [{start}, {start + 49}]\n\n"
+    )
+    workdirs = tuple(h.new_workdir(name) for h in hosts)
+    for h, w in zip(hosts, workdirs):
+        text += "\n" + host_table(h, w, **per_host.get(h.name, {}))
+    path = folder / "cluster.toml"
+    path.write_text(text)
+    return Cluster(path, workdirs)
+
+
+def orbit(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run the orbit CLI as a user would, with the test's state dir."""
+    return subprocess.run(
+        [sys.executable, "-m", "orbit", *STATE_ARGS, *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=dict(os.environ, COLUMNS="200"),
+    )
+
+
+def rank_processes(workdirs: tuple[Path, ...]) -> list[int]:
+    """Pids of live processes whose command line mentions a workdir (the namespaces share this
+    machine's pid namespace, so /proc sees every host's processes)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if any(str(w) in cmdline for w in workdirs) and alive(int(proc.name)):
+            found.append(int(proc.name))
+    return found
+
+
+def shared_blob(workdir: Path, a: Path, b: Path) -> Path:
+    """A blob that packages a and b both hold (a tokenizer file: same tokenizer)."""
+    shas = [{e.sha256 for e in read_manifest(p).tokenizer.files} for p in (a, b)]
+    common = sorted(shas[0] & shas[1])
+    assert common, "the two packages share no file"
+    return workdir / "store" / "sha256" / common[0]
+
+
+def _reference_greedy(checkpoint: Path, prompt_ids: list[int], max_new: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+# ---- failures before or during bring-up ------------------------------------------------------
+
+
+def test_unknown_host_key_is_refused_before_anything_starts(
+    hosts,
+    package,
+    tmp_path,
+):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    cluster = write_cluster(
+        tmp_path, package, hosts, "unknown-key", host1={"known_hosts": str(empty)}
+    )
+    done = orbit("up", str(cluster.path), "--timeout", "20")
+    host1 = hosts[1]
+    assert done.returncode == 1, done.stderr
+    assert f"host key for {host1.address}:{host1.port} is not in {empty}" in done.stderr
+    assert "--accept-new-host-keys" in done.stderr
+    assert empty.read_text() == ""
+    for workdir in cluster.workdirs:  # nothing was pushed or started on either host
+        assert list(workdir.iterdir()) == []
+    assert not state_path(cluster.path).exists()
+
+
+@pytest.mark.parametrize("how", ["no host at the address", "closed port"])
+def test_unreachable_host_fails_within_the_timeout(
+    how,
+    hosts,
+    package,
+    tmp_path,
+):
+    host1 = hosts[1]
+    if how == "closed port":  # only sshd's port 22 listens in the namespace
+        address, port = host1.address, (23 if host1.netns else free_port(host1.address))
+    elif host1.netns:  # an address of the test subnet that no namespace holds
+        address, port = host1.gateway.rsplit(".", 1)[0] + ".99", 22
+    else:
+        pytest.skip("needs network namespaces for an address with nothing behind it")
+    overrides = {"address": address, "ssh_port": port}
+    cluster = write_cluster(tmp_path, package, hosts, "unreachable", host1=overrides)
+    timeout_s = 3.0
+    start = time.monotonic()
+    with pytest.raises(HostUnreachableError, match=f"cannot open SSH to {address}:{port} "):
+        asyncio.run(up(cluster.path, UpOptions(timeout_s=timeout_s)))
+    assert time.monotonic() - start < timeout_s + 2.0
+    assert rank_processes(cluster.workdirs) == []
+    assert list(cluster.workdirs[0].iterdir()) == []  # host0 was reachable but got nothing
+
+
+def test_rank_crashing_at_start_fails_up_with_its_log_and_stops_the_other(
+    hosts,
+    package,
+    tmp_path,
+):
+    crasher = tmp_path / "python-crash"
+    crasher.write_text("#!/bin/sh\necho 'simulated crash: no usable device' >&2\nexit 1\n")
+    crasher.chmod(0o755)
+    cluster = write_cluster(tmp_path, package, hosts, "crash", host1={"python": str(crasher)})
+    start = time.monotonic()
+    done = orbit("up", str(cluster.path), "--timeout", str(UP_TIMEOUT_S))
+    elapsed = time.monotonic() - start
+    host1 = hosts[1]
+    assert done.returncode == 1, done.stderr
+    assert f"rank 1 on {host1.address}:{host1.port} exited during start-up" in done.stderr
+    assert "simulated crash: no usable device" in done.stderr  # the log tail
+    assert "every rank this `orbit up` started was stopped" in done.stderr
+    assert elapsed < UP_TIMEOUT_S / 2  # found by watching the process, not by the deadline
+    assert rank_processes(cluster.workdirs) == []
+    assert (cluster.workdirs[0] / "run").is_dir()  # rank 0 did start, and was stopped
+    assert not state_path(cluster.path).exists()
+
+
+def test_rank_never_ready_fails_at_the_timeout_and_stops_both(hosts, package, tmp_path):
+    # A "python" that hangs without connecting (it keeps the rank's command line, as a rank
+    # stuck before its first message would); rank 0 starts and waits for it in the TP group.
+    hanger = tmp_path / "python-hang"
+    hanger.write_text("#!/bin/sh\necho 'hanging before connecting'\nsleep 600\n")
+    hanger.chmod(0o755)
+    cluster = write_cluster(tmp_path, package, hosts, "hang", host1={"python": str(hanger)})
+    timeout_s = 8.0
+    start = time.monotonic()
+    with pytest.raises(RankStartError) as e:
+        asyncio.run(up(cluster.path, UpOptions(timeout_s=timeout_s, stop_grace_s=2.0)))
+    elapsed = time.monotonic() - start
+    host1 = hosts[1]
+    message = "\n".join([str(e.value), *e.value.__notes__])
+    assert f"rank 1 on {host1.address}:{host1.port} was not ready within 8 s" in message
+    assert "never connected" in message and "hanging before connecting" in message
+    assert "every rank this `orbit up` started was stopped" in message
+    assert timeout_s <= elapsed < timeout_s + 20  # push, then the deadline, then the stop
+    assert rank_processes(cluster.workdirs) == []
+    assert not state_path(cluster.path).exists()
+
+
+# ---- the happy path --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def running(hosts, package, tmp_path_factory):
+    """A cluster brought up with `orbit up`; stopped with `orbit down` at the end if a test
+    left it running."""
+    cluster = write_cluster(tmp_path_factory.mktemp("e2e"), package, hosts, "e2e")
+    start = time.monotonic()
+    done = orbit("up", str(cluster.path), "--timeout", str(UP_TIMEOUT_S), "--kv-pages", "256")
+    assert done.returncode == 0, done.stderr
+    print(f"orbit up took {time.monotonic() - start:.1f} s")
+    yield cluster
+    if load_state(cluster.path) is not None:
+        orbit("down", str(cluster.path))
+    assert rank_processes(cluster.workdirs) == []
+
+
+def test_up_records_live_ranks_and_a_second_up_is_a_no_op(running, hosts):
+    state = load_state(running.path)
+    assert state is not None and state.tp_size == 2
+    assert [r.host_index for r in state.ranks] == [0, 1]
+    pids = [r.pid for r in state.ranks]
+    assert all(alive(pid) for pid in pids)
+    assert sorted(rank_processes(running.workdirs)) == sorted(pids)
+    assert state.frontend_address == hosts[0].gateway
+    for host in state.hosts:  # each host holds the ranks' CURVE files, privately
+        keys = Path(host.curve_dir)
+        assert sorted(p.name for p in keys.iterdir()) == ["client.key_secret", "server.key"]
+        assert keys.stat().st_mode & 0o777 == 0o700
+        assert (keys / "client.key_secret").stat().st_mode & 0o777 == 0o600
+    again = orbit("up", str(running.path), "--timeout", str(UP_TIMEOUT_S), "--kv-pages", "256")
+    assert again.returncode == 0, again.stderr
+    assert "already up" in again.stderr
+    assert [r.pid for r in load_state(running.path).ranks] == pids
+
+
+def test_serve_cluster_matches_transformers_and_leaves_the_ranks(
+    running, package, tiny_checkpoints
+):
+    from transformers import AutoTokenizer
+
+    pids = [r.pid for r in load_state(running.path).ranks]
+    tok = AutoTokenizer.from_pretrained(str(package / "tokenizer"))
+    with ServerProcess(package, "--cluster", str(running.path), ready_timeout_s=90, orbit_args=STATE_ARGS) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        for prompt in PROMPTS:
+            ids = tok(prompt).input_ids
+            ref = _reference_greedy(tiny_checkpoints["llama"], ids, 16)
+            got = client.completions.create(model=model, prompt=ids, temperature=0, max_tokens=16)
+            assert got.usage.completion_tokens == len(ref)
+            assert got.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+        assert server.stop(signal.SIGTERM) == 0
+    assert all(alive(pid) for pid in pids)  # the ranks belong to the cluster, not to serve
+
+
+def test_status_shows_both_ranks_alive(running, hosts):
+    state = load_state(running.path)
+    done = orbit("status", str(running.path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line for line in done.stdout.splitlines() if state.package_digest[:12] in line]
+    rows = rows[1:] if "frontend" in rows[0] else rows  # the title names the package too
+    assert len(rows) == 2
+    for host, rank, row in zip(hosts, state.ranks, rows):
+        assert f"{host.address}:{host.port}" in row
+        assert str(rank.pid) in row and "yes" in row
+
+
+def test_logs_print_one_ranks_log_and_follow_stops_cleanly(running):
+    state = load_state(running.path)
+    done = orbit("logs", str(running.path), "--rank", "1")
+    assert done.returncode == 0, done.stderr
+    assert f"[orbit] rank 1: pid {state.ranks[1].pid}" in done.stdout
+    assert "rank 0:" not in done.stdout
+
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "orbit", *STATE_ARGS, "logs", str(running.path), "--follow",
+         "--lines", "5"],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    guard = threading.Timer(30, follow.send_signal, [signal.SIGINT])  # bounds the reads
+    guard.start()
+    seen = set()
+    try:
+        for line in follow.stdout:  # each rank's first line, prefixed with its rank
+            seen |= {r for r in (0, 1) if line.startswith(f"[rank {r}] [orbit] rank {r}: pid")}
+            if len(seen) == 2:
+                break
+    finally:
+        guard.cancel()
+        follow.send_signal(signal.SIGINT)  # Ctrl-C: the normal way out
+        assert follow.wait(timeout=30) == 0, follow.stderr.read()
+    assert seen == {0, 1}
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _tails_of(state.ranks[0].log_file):
+        time.sleep(0.1)
+    assert _tails_of(state.ranks[0].log_file) == []  # no `tail -F` left on the host
+
+
+def _tails_of(path: str) -> list[int]:
+    return [
+        int(p.name)
+        for p in Path("/proc").iterdir()
+        if p.name.isdigit() and _cmdline(p).startswith("tail ") and path in _cmdline(p)
+    ]
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_new_package_replaces_the_ranks_and_a_corrupted_blob_is_pushed_again(
+    running, package, tiny_checkpoints, package_cache
+):
+    # Same model, other capacities: a new package digest, with the same tokenizer files.
+    new_package = package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=4, kv_page_size=4, max_step_tokens=32
+    )
+    old = load_state(running.path)
+    blob = shared_blob(running.workdirs[1], package, new_package)
+    good = hashlib.sha256(blob.read_bytes()).hexdigest()
+    with open(blob, "r+b") as f:  # flip one byte in place, size unchanged
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+    text = running.path.read_text()
+    running.path.write_text(text.replace(json.dumps(str(package)), json.dumps(str(new_package))))
+    try:
+        result = asyncio.run(up(running.path, UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=256)))
+    finally:
+        running.path.write_text(text)
+    assert result.replaced and not result.already_running
+    assert result.state.package_digest != old.package_digest
+    assert hashlib.sha256(blob.read_bytes()).hexdigest() == good
+    assert not any(alive(r.pid) for r in old.ranks)
+    assert all(alive(r.pid) for r in result.state.ranks)
+
+
+def test_down_stops_every_rank_and_forgets_the_cluster(running):
+    state = load_state(running.path)
+    pids = [r.pid for r in state.ranks]
+    assert all(alive(pid) for pid in pids)
+    done = orbit("down", str(running.path))
+    assert done.returncode == 0, done.stderr
+    assert "stopped 2 ranks on 2 hosts" in done.stderr
+    assert not any(alive(pid) for pid in pids)
+    assert rank_processes(running.workdirs) == []
+    assert load_state(running.path) is None
+    assert not Path(state.curve_dir).exists()
+    assert not any(Path(h.curve_dir).exists() for h in state.hosts)
+    again = orbit("down", str(running.path))
+    assert again.returncode == 0 and "nothing to stop" in again.stderr
+    status = orbit("status", str(running.path))
+    assert status.returncode == 1 and "no cluster is recorded" in status.stderr
+
+
+def test_a_rank_dying_under_serve_turns_health_503_and_stops_the_survivor(
+    hosts, package, tmp_path_factory
+):
+    cluster = write_cluster(tmp_path_factory.mktemp("death"), package, hosts, "death")
+    try:
+        state = asyncio.run(up(cluster.path, UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=64))).state
+        with ServerProcess(package, "--cluster", str(cluster.path), ready_timeout_s=90, orbit_args=STATE_ARGS) as server:
+            os.kill(state.ranks[1].pid, signal.SIGKILL)
+            deadline = time.monotonic() + HEARTBEAT_SILENCE_S + 15
+            while time.monotonic() < deadline and _health(server) == 200:
+                time.sleep(0.2)
+            assert _health(server) == 503
+            while time.monotonic() < deadline and alive(state.ranks[0].pid):
+                time.sleep(0.2)
+            assert not alive(state.ranks[0].pid)  # told to shut down: its group is broken
+            assert server.stop(signal.SIGTERM) == 1
+        status = orbit("status", str(cluster.path))
+        assert status.returncode == 1
+        assert status.stdout.count(" no ") == 2, status.stdout
+    finally:
+        asyncio.run(cluster_down(cluster.path, grace_s=10.0))
+    assert rank_processes(cluster.workdirs) == []
+
+
+def _health(server: ServerProcess) -> int:
+    return httpx.get(server.url + "/health", timeout=5).status_code

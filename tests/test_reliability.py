@@ -1,0 +1,152 @@
+"""Behaviour under overload, hostile input, load and a dying rank, on CPU with real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from benchmarks import serving
+from tests.server import REPO, ServerProcess
+
+
+@pytest.fixture(scope="module")
+def tiny_pkg(tiny_checkpoints, package_cache):
+    return package_cache(
+        tiny_checkpoints["llama"], 1, max_batch=64, kv_page_size=8, max_step_tokens=256
+    )
+
+
+@pytest.fixture(scope="module")
+def server(tiny_pkg):
+    with ServerProcess(tiny_pkg, "--kv-pages", "2048") as s:
+        yield s
+
+
+def _model(server) -> str:
+    return httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def test_full_queue_answers_429_with_retry_after(tiny_checkpoints, package_cache):
+    pkg = package_cache(
+        tiny_checkpoints["llama"], 1, max_batch=2, kv_page_size=8, max_step_tokens=64
+    )
+    with ServerProcess(pkg, "--kv-pages", "512", "--max-queue", "2") as s:
+        model = _model(s)
+
+        async def flood():
+            async with httpx.AsyncClient(timeout=120) as client:
+                body = {
+                    "model": model,
+                    "prompt": "flood " * 20,
+                    "max_tokens": 200,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                return await asyncio.gather(
+                    *(client.post(s.url + "/v1/completions", json=body) for _ in range(12))
+                )
+
+        responses = asyncio.run(flood())
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 2 and 429 in codes and set(codes) <= {200, 429}
+        refused = next(r for r in responses if r.status_code == 429)
+        assert refused.headers["retry-after"].isdigit()
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        ok = httpx.post(
+            s.url + "/v1/completions",
+            timeout=60,
+            json={"model": model, "prompt": "hi", "max_tokens": 3},
+        )
+        assert ok.status_code == 200
+
+
+@pytest.mark.skipif(shutil.which("st") is None, reason="schemathesis is not installed")
+def test_fuzzed_api_never_answers_5xx(server):
+    r = subprocess.run(
+        [
+            "st",
+            "run",
+            server.url + "/openapi.json",
+            "--checks",
+            "not_a_server_error",
+            "--max-examples",
+            "15",
+            "--request-timeout",
+            "60",
+            "--seed",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_load_1000_requests_at_64_concurrent(server, tmp_path):
+    report = serving.main(
+        [
+            "--url",
+            server.url,
+            "--requests",
+            "1000",
+            "--concurrency",
+            "64",
+            "--check-greedy",
+            "--prompt-words",
+            "4",
+            "12",
+            "30",
+            "--output-tokens",
+            "8",
+            "16",
+            "24",
+            "--out",
+            str(tmp_path / "load.json"),
+        ]
+    )
+    assert report["failures"] == 0, report["first_errors"]
+    assert report["greedy_mismatches"] == 0
+    assert report["mean_output_tokens"] == pytest.approx(16, abs=0.01)
+    metrics = server.metrics()
+    assert metrics["orbit_running_sequences"] == 0 and metrics["orbit_kv_pages_in_use"] == 0
+
+
+def test_killed_rank_fails_requests_fast_and_frontend_stays_up(tiny_checkpoints, package_cache):
+    pkg = package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=8, kv_page_size=4, max_step_tokens=32
+    )
+    with ServerProcess(pkg, "--kv-pages", "512") as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+        stream = client.completions.create(
+            model=_model(s),
+            prompt="a b c",
+            max_tokens=400,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        next(iter(stream))
+        os.kill(s.rank_pids()[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 5
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 503
+        r = httpx.post(
+            s.url + "/v1/completions",
+            timeout=10,
+            json={"model": _model(s), "prompt": "hi", "max_tokens": 2},
+        )
+        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+        assert s.proc.poll() is None  # the frontend is still up
