@@ -3,10 +3,10 @@
 
 The frontend binds the endpoint the ranks were started with (recorded by `orbit up`), sends
 Attach, and waits for every rank's Hello and Ready. The ranks are not its children, so it
-watches them by their heartbeats (sent every second while idle; a step in flight is bounded by
-the step timeout instead). When serve stops normally the ranks keep running for the next
-`orbit serve --cluster`; when a rank fails, the survivors are told to shut down, since a TP group
-cannot lose a member, and `orbit up` starts a new group.
+watches them by their heartbeats (sent every second by a thread of each rank). When serve stops
+normally the ranks keep running for the next `orbit serve --cluster`; when a rank fails, the
+survivors are told to shut down (a TP group cannot lose a member), the endpoint is released, and
+the frontend waits for `orbit up` to record a new group, then attaches to it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from orbit.cluster_config import load_cluster_config
 from orbit.cluster_launch import bind_frontend
 from orbit.cluster_ops import require_state
-from orbit.cluster_state import ClusterState, ClusterStateError
+from orbit.cluster_state import ClusterState, ClusterStateError, load_state
 from orbit.curve import CurveError, ServerKeys
 from orbit.engine import Engine, EngineError
 from orbit.rank_link import RankFailure, RankLink
@@ -29,7 +29,8 @@ from runtime.package import MANIFEST_NAME
 log = logging.getLogger("orbit.serve")
 
 ATTACH_TIMEOUT_S = 30.0  # the ranks are loaded already; only ZeroMQ's reconnect is awaited
-HEARTBEAT_SILENCE_S = 10.0  # ten missed one-second heartbeats
+HEARTBEAT_SILENCE_S = 5.0  # five missed one-second heartbeats
+NEW_BRINGUP_POLL_S = 1.0
 WATCH_INTERVAL_S = 0.5
 
 
@@ -83,11 +84,7 @@ async def attach(link: RankLink, target: ClusterTarget) -> None:
 
 
 async def watch_heartbeats(link: RankLink, engine: Engine, target: ClusterTarget) -> None:
-    """Fail everything when a rank falls silent; then stop the survivors."""
-    while not engine.is_ready():  # silence before attaching means nothing
-        if link.failure:
-            return  # attach failed: leave the ranks as they are for `orbit status` to show
-        await asyncio.sleep(WATCH_INTERVAL_S)
+    """Fail everything when a rank falls silent."""
     while link.failure is None:
         silent = link.silent_ranks(HEARTBEAT_SILENCE_S)
         if silent:
@@ -100,6 +97,17 @@ async def watch_heartbeats(link: RankLink, engine: Engine, target: ClusterTarget
             )
             break
         await asyncio.sleep(WATCH_INTERVAL_S)
-    log.error("%s", link.failure)
     engine.fail(EngineError(str(link.failure)))
-    await link.shutdown("a rank failed; the TP group cannot continue")
+
+
+async def wait_for_new_bringup(target: ClusterTarget) -> ClusterTarget:
+    """After a failure: wait until `orbit up` records a new group of ranks, then aim at it."""
+    config = Path(target.state.config_path)
+    while True:
+        await asyncio.sleep(NEW_BRINGUP_POLL_S)
+        state = load_state(config)
+        if state is not None and state.started_at != target.state.started_at:
+            try:
+                return cluster_target(config)
+            except (ClusterStateError, OSError) as e:
+                log.warning("the new bring-up of %s is not usable yet: %s", config, e)

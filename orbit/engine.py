@@ -117,8 +117,9 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already queued")
         seq = self._sequence(prompt_ids, params)
+        scheduler = self.scheduler  # after a rank failure and restart, a new one takes over
         try:
-            self.scheduler.add(seq)
+            scheduler.add(seq)
         except CapacityError as e:
             raise RequestTooLarge(str(e)) from None
         queue: asyncio.Queue = asyncio.Queue()
@@ -134,8 +135,8 @@ class Engine:
                     return
         finally:
             self._streams.pop(seq.seq_id, None)
-            if seq.status is not Status.FINISHED and self.scheduler is not None:
-                self.scheduler.abort(seq)
+            if seq.status is not Status.FINISHED:
+                scheduler.abort(seq)
                 self._wake.set()
 
     def metrics_text(self) -> str:
@@ -166,8 +167,11 @@ class Engine:
         return "\n".join(lines) + "\n"
 
     # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self, ready_timeout_s: float) -> None:
-        """Wait for every rank, then size the scheduler from the smallest KV pool."""
+    async def start(self, ready_timeout_s: float, link: RankLink | None = None) -> None:
+        """Wait for every rank, then size the scheduler from the smallest KV pool. With a new
+        link (ranks restarted after a failure) the engine serves again from a clean state."""
+        if link is not None:
+            self.link, self._error, self._ready = link, None, False
         await self.link.wait_ready(ready_timeout_s)
         c = self.config
         self.scheduler = Scheduler(
@@ -184,6 +188,10 @@ class Engine:
     def begin_stopping(self) -> None:
         """Refuse new requests; running ones continue until they finish."""
         self._stopping = True
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
 
     @property
     def idle(self) -> bool:

@@ -131,12 +131,10 @@ class RankLink:
             self._pending.pop(plan.step_id, None)
 
     def silent_ranks(self, silence_s: float) -> list[int]:
-        """Ranks not heard from for silence_s while no step is in flight. Ranks heartbeat only
-        when idle; a step in flight is bounded by its own timeout instead."""
-        if self._pending:
-            return []
+        """Ranks heard from before but not for silence_s. Ranks heartbeat every second from a
+        thread of their own, during steps too, so silence means stopped, hung or cut off."""
         now = time.monotonic()
-        return [r.rank for r in self.ranks if now - r.last_seen > silence_s]
+        return [r.rank for r in self.ranks if r.last_seen and now - r.last_seen > silence_s]
 
     def fail(self, failure: RankFailure) -> None:
         if self.failure is None:

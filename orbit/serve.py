@@ -3,7 +3,9 @@ the HTTP API in front of them until SIGINT or SIGTERM.
 
 Shutdown: new requests get 503, running ones finish (up to the drain deadline, after which
 uvicorn closes them), then every rank is told to stop, and TERM/KILL end any that did not.
-A rank that exits fails every in-flight request with 503 and turns /health unhealthy.
+A rank that exits or falls silent fails every in-flight request with 503 and turns /health
+unhealthy; the frontend stays up and serves again once a new group of ranks is ready (local
+ranks are restarted by the frontend, cluster ranks by the next `orbit up`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from pathlib import Path
 import uvicorn
 
 from orbit.api import create_app
-from orbit.cluster_serve import attach, bind_cluster_link, cluster_target, watch_heartbeats
+from orbit.cluster_serve import (
+    HEARTBEAT_SILENCE_S,
+    attach,
+    bind_cluster_link,
+    cluster_target,
+    wait_for_new_bringup,
+    watch_heartbeats,
+)
 from orbit.engine import Engine, EngineConfig, EngineError
 from orbit.local_ranks import LocalRankOptions, LocalRanks
 from orbit.rank_link import RankFailure, RankLink
@@ -72,7 +81,7 @@ class _Server(uvicorn.Server):
 
 
 async def serve(opts: ServeOptions, on_ready=None) -> int:
-    """Run until a signal or a rank failure; returns the process exit code."""
+    """Run until a signal; returns the process exit code (1 when the ranks never got ready)."""
     from transformers import AutoTokenizer
 
     target = cluster_target(opts.cluster) if opts.cluster else None
@@ -81,36 +90,137 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
     caps = pkg.capacities
     name = opts.model_name or pkg.manifest.source_name
-    link = bind_cluster_link(target) if target else RankLink(pkg.tp_size)
-    link.start()
-    ranks = None if target else _local_ranks(opts, pkg, link)
-    engine = Engine(EngineConfig(
-        model_name=name, max_seq_len=caps.max_seq_len, max_batch=caps.max_batch,
-        page_size=caps.kv_page_size, max_step_tokens=caps.max_step_tokens,
-        eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids), max_queue=opts.max_queue,
-    ), link, tokenizer)
-    server = _Server(uvicorn.Config(
-        create_app(engine, name, api_key=opts.api_key), host=opts.host, port=opts.port,
-        log_level="warning", lifespan="off", timeout_graceful_shutdown=int(opts.drain_timeout_s),
-    ), engine)
-    if ranks:
-        ranks.start()
-        watcher = asyncio.create_task(_watch_ranks(ranks, link, engine))
-    else:
-        watcher = asyncio.create_task(watch_heartbeats(link, engine, target))
-    runner = asyncio.create_task(_start_engine(engine, opts, server, on_ready, target))
+    engine = Engine(
+        EngineConfig(
+            model_name=name,
+            max_seq_len=caps.max_seq_len,
+            max_batch=caps.max_batch,
+            page_size=caps.kv_page_size,
+            max_step_tokens=caps.max_step_tokens,
+            eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
+            max_queue=opts.max_queue,
+        ),
+        None,
+        tokenizer,
+    )
+    server = _Server(
+        uvicorn.Config(
+            create_app(engine, name, api_key=opts.api_key),
+            host=opts.host,
+            port=opts.port,
+            log_level="warning",
+            lifespan="off",
+            timeout_graceful_shutdown=int(opts.drain_timeout_s),
+        ),
+        engine,
+    )
+    generations = _ClusterRanks(target) if target else _LocalRanks(opts, pkg)
+    supervisor = asyncio.create_task(_supervise(engine, generations, opts, server, on_ready))
     try:
         await server.serve()
     finally:
         engine.begin_stopping()
         engine.fail(EngineError("the server is shutting down"))
-        for task in (runner, watcher):
-            task.cancel()
-        if ranks:  # cluster ranks outlive this frontend: `orbit down` stops them
-            await link.shutdown("frontend stopping")
-            await asyncio.to_thread(ranks.stop)
+        supervisor.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await supervisor
+    return 0 if generations.served else 1
+
+
+async def _supervise(engine: Engine, gens, opts: ServeOptions, server, on_ready) -> None:
+    """Start a generation of ranks, serve until it fails, then bring up the next one; the
+    HTTP server stays up throughout (503 while no generation is ready). Ranks that never get
+    ready the first time end the server."""
+    while True:
+        link = await gens.start()
+        try:
+            try:
+                await gens.ready(link)
+                await engine.start(opts.ready_timeout_s, link=link)
+            except RankFailure as e:
+                log.error("%s", e)
+                if not gens.served:
+                    server.should_exit = True
+                    return
+                continue
+            if not gens.served and on_ready:
+                on_ready(engine)
+            gens.served = True
+            watcher = asyncio.create_task(gens.watch(link, engine))
+            try:
+                await engine.run()  # returns when the engine fails
+            finally:
+                watcher.cancel()
+            if engine.stopping:
+                return
+            log.error("serving stopped: %s; bringing the ranks back", link.failure)
+        finally:
+            await gens.stop(link)
+        await gens.wait_for_next()
+
+
+class _LocalRanks:
+    """Generations of ranks that this process starts itself; after a failure the survivors
+    are stopped and a new group is started, with a growing pause between attempts."""
+
+    def __init__(self, opts: ServeOptions, pkg):
+        self.opts, self.pkg = opts, pkg
+        self.served = False
+        self.ranks: LocalRanks | None = None
+        self.pause_s = 1.0
+
+    async def start(self) -> RankLink:
+        link = RankLink(self.pkg.tp_size)
+        link.start()
+        log_dir = self.opts.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
+        self.ranks = LocalRanks(
+            self.pkg.root, self.pkg.tp_size, link.endpoint, log_dir, self.opts.ranks
+        )
+        self.ranks.start()
+        return link
+
+    async def ready(self, link: RankLink) -> None:
+        pass  # the ranks connect by themselves; engine.start waits for them
+
+    async def watch(self, link: RankLink, engine: Engine) -> None:
+        await _watch_ranks(self.ranks, link, engine)
+
+    async def stop(self, link: RankLink) -> None:
+        await link.shutdown("frontend stopping")
+        await asyncio.to_thread(self.ranks.stop)
         link.close()
-    return 1 if link.failure else 0
+
+    async def wait_for_next(self) -> None:
+        await asyncio.sleep(self.pause_s)
+        self.pause_s = min(self.pause_s * 2, 30.0)
+
+
+class _ClusterRanks:
+    """The ranks `orbit up` started. After a failure the endpoint is released so that the
+    next `orbit up` can bring up a new group, which this frontend then attaches to."""
+
+    def __init__(self, target):
+        self.target = target
+        self.served = False
+
+    async def start(self) -> RankLink:
+        link = bind_cluster_link(self.target)
+        link.start()
+        return link
+
+    async def ready(self, link: RankLink) -> None:
+        await attach(link, self.target)
+
+    async def watch(self, link: RankLink, engine: Engine) -> None:
+        await watch_heartbeats(link, engine, self.target)
+
+    async def stop(self, link: RankLink) -> None:
+        if link.failure:  # a TP group cannot lose a member: the survivors must go too
+            await link.shutdown("a rank failed; the TP group cannot continue")
+        link.close()  # a normal stop leaves the ranks running for the next serve --cluster
+
+    async def wait_for_next(self) -> None:
+        self.target = await wait_for_new_bringup(self.target)
 
 
 def _trusted(paths: tuple[Path, ...]) -> list | None:
@@ -121,30 +231,19 @@ def _trusted(paths: tuple[Path, ...]) -> list | None:
     return [load_public_key(p) for p in paths]
 
 
-def _local_ranks(opts: ServeOptions, pkg, link: RankLink) -> LocalRanks:
-    log_dir = opts.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
-    return LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts.ranks)
-
-
-async def _start_engine(
-    engine: Engine, opts: ServeOptions, server: uvicorn.Server, on_ready, target=None
-):
-    try:
-        if target:
-            await attach(engine.link, target)
-        await engine.start(opts.ready_timeout_s)
-    except RankFailure as e:
-        log.error("%s", e)
-        server.should_exit = True
-        return
-    if on_ready:
-        on_ready(engine)
-    await engine.run()
-
-
 async def _watch_ranks(ranks: LocalRanks, link: RankLink, engine: Engine) -> None:
-    """A rank process that exits ends the TP group: fail fast with its log tail."""
+    """A rank process that exits, or falls silent (stopped, hung), ends the TP group: fail
+    fast, with the log tail of an exited one."""
     while True:
+        silent = link.silent_ranks(HEARTBEAT_SILENCE_S)
+        if silent:
+            failure = RankFailure(
+                f"rank {silent[0]} sent no heartbeat for {HEARTBEAT_SILENCE_S:g} s "
+                f"(stopped or hung); see {ranks.log_path(silent[0])}"
+            )
+            link.fail(failure)
+            engine.fail(EngineError(str(failure)))
+            return
         exited = ranks.exited()
         if exited:
             rank, code = exited[0]

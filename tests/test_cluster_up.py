@@ -421,7 +421,7 @@ def test_down_stops_every_rank_and_forgets_the_cluster(running):
     assert status.returncode == 1 and "no cluster is recorded" in status.stderr
 
 
-def test_a_rank_dying_under_serve_turns_health_503_and_stops_the_survivor(
+def test_a_rank_dying_under_serve_fails_fast_and_serve_recovers_after_up(
     hosts, package, tmp_path_factory
 ):
     cluster = write_cluster(tmp_path_factory.mktemp("death"), package, hosts, "death")
@@ -436,10 +436,24 @@ def test_a_rank_dying_under_serve_turns_health_503_and_stops_the_survivor(
             while time.monotonic() < deadline and alive(state.ranks[0].pid):
                 time.sleep(0.2)
             assert not alive(state.ranks[0].pid)  # told to shut down: its group is broken
-            assert server.stop(signal.SIGTERM) == 1
-        status = orbit("status", str(cluster.path))
-        assert status.returncode == 1
-        assert status.stdout.count(" no ") == 2, status.stdout
+            r = httpx.post(server.url + "/v1/completions", timeout=10,
+                           json={"model": "llama", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503
+            status = orbit("status", str(cluster.path))
+            assert status.returncode == 1
+            assert status.stdout.count(" no ") == 2, status.stdout
+            # The frontend stays up; a new `orbit up` brings a new group it attaches to.
+            again = orbit("up", str(cluster.path), "--timeout", str(UP_TIMEOUT_S),
+                          "--kv-pages", "64")
+            assert again.returncode == 0, again.stderr
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and _health(server) != 200:
+                time.sleep(0.2)
+            assert _health(server) == 200
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "llama", "prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+            assert server.stop(signal.SIGTERM) == 0
     finally:
         asyncio.run(cluster_down(cluster.path, grace_s=10.0))
     assert rank_processes(cluster.workdirs) == []

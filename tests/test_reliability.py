@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from benchmarks import serving
-from tests.server import REPO, ServerProcess
+from tests.server import REPO, ServerProcess, alive
 
 
 @pytest.fixture(scope="module")
@@ -122,31 +122,101 @@ def test_load_1000_requests_at_64_concurrent(server, tmp_path):
     assert metrics["orbit_running_sequences"] == 0 and metrics["orbit_kv_pages_in_use"] == 0
 
 
-def test_killed_rank_fails_requests_fast_and_frontend_stays_up(tiny_checkpoints, package_cache):
-    pkg = package_cache(
+def _stream_then(s: ServerProcess, action) -> float:
+    """Start a long stream, do action(), and return how long the stream took to fail."""
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model=_model(s),
+        prompt="a b c",
+        max_tokens=400,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    action()
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError):
+        for _ in stream:
+            pass
+    return time.monotonic() - t0
+
+
+def _recovers(s: ServerProcess, within_s: float = 90) -> None:
+    """503 while the ranks are down, then served again once new ranks are ready."""
+    r = httpx.post(
+        s.url + "/v1/completions",
+        timeout=10,
+        json={"model": _model(s), "prompt": "hi", "max_tokens": 2},
+    )
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+    assert r.headers["retry-after"].isdigit()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline and _health(s) != 200:
+        time.sleep(0.2)
+    r = httpx.post(
+        s.url + "/v1/completions",
+        timeout=60,
+        json={"model": _model(s), "prompt": "hi", "max_tokens": 2},
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def _health(s: ServerProcess) -> int:
+    return httpx.get(s.url + "/health", timeout=5).status_code
+
+
+@pytest.fixture
+def tp2_pkg(tiny_checkpoints, package_cache):
+    return package_cache(
         tiny_checkpoints["llama"], 2, max_batch=8, kv_page_size=4, max_step_tokens=32
     )
-    with ServerProcess(pkg, "--kv-pages", "512") as s:
-        client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
-        stream = client.completions.create(
-            model=_model(s),
-            prompt="a b c",
-            max_tokens=400,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        next(iter(stream))
-        os.kill(s.rank_pids()[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(openai.APIError):
-            for _ in stream:
-                pass
-        assert time.monotonic() - t0 < 5
+
+
+def test_killed_rank_fails_requests_fast_and_the_frontend_recovers(tp2_pkg):
+    with ServerProcess(tp2_pkg, "--kv-pages", "512") as s:
+        old = s.rank_pids()
+        assert _stream_then(s, lambda: os.kill(old[1], signal.SIGKILL)) < 5
         assert httpx.get(s.url + "/health", timeout=5).status_code == 503
-        r = httpx.post(
-            s.url + "/v1/completions",
-            timeout=10,
-            json={"model": _model(s), "prompt": "hi", "max_tokens": 2},
-        )
-        assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
-        assert s.proc.poll() is None  # the frontend is still up
+        _recovers(s)
+        assert s.proc.poll() is None  # the frontend never went down
+        assert not set(old) & set(s.rank_pids())  # a new group of ranks
+
+
+def test_stopped_rank_is_caught_by_missed_heartbeats(tp2_pkg):
+    with ServerProcess(tp2_pkg, "--kv-pages", "512") as s:
+        stopped = s.rank_pids()[0]
+        try:
+            took = _stream_then(s, lambda: os.kill(stopped, signal.SIGSTOP))
+            assert took < 10  # 5 s of silence, then the failure
+            assert httpx.get(s.url + "/health", timeout=5).status_code == 503
+            _recovers(s)
+        finally:
+            if alive(stopped):
+                os.kill(stopped, signal.SIGCONT)
+
+
+def test_ranks_exit_when_the_frontend_is_killed(tp2_pkg):
+    s = ServerProcess(tp2_pkg, "--kv-pages", "64").__enter__()
+    ranks = s.rank_pids()
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    s.proc.wait(timeout=10)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in ranks):
+        time.sleep(0.2)
+    assert not any(alive(p) for p in ranks)
+
+
+def test_sigterm_drains_running_requests(tp2_pkg):
+    s = ServerProcess(tp2_pkg, "--kv-pages", "512").__enter__()
+    ranks = s.rank_pids()
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0)
+    stream = client.completions.create(
+        model=_model(s), prompt="a b c", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    first = next(iter(stream))
+    s.proc.send_signal(signal.SIGTERM)
+    rest = list(stream)
+    assert rest[-1].choices[0].finish_reason == "length"  # finished, not cut off
+    assert len([first, *rest]) >= 60
+    assert s.proc.wait(timeout=60) == 0
+    assert not any(alive(p) for p in ranks)
