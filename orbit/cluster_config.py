@@ -24,7 +24,7 @@ DEFAULT_FRONTEND_ADDRESS = "127.0.0.1"
 DEFAULT_PORT_RANGE = (29500, 29600)
 DEVICES = ("cuda", "cpu")
 
-TOP_KEYS = ("package", "require_signature", "frontend", "hosts")
+TOP_KEYS = ("package", "require_signature", "trusted_keys", "frontend", "hosts")
 FRONTEND_KEYS = ("address", "port_range")
 HOST_KEYS = (
     "address",
@@ -106,8 +106,10 @@ class ClusterConfig:
     package: Path
     hosts: tuple[HostConfig, ...]
     frontend: FrontendConfig = FrontendConfig()
-    # Reserved for signed manifests; only false is accepted until signing exists.
+    # The package must carry a valid Ed25519 signature by one of trusted_keys (public key
+    # files): orbit up checks it before pushing, and every rank checks it before loading.
     require_signature: bool = False
+    trusted_keys: tuple[Path, ...] = ()
 
     @property
     def world_size(self) -> int:
@@ -243,16 +245,24 @@ class _Reader:
             hosts=self.hosts(data.get("hosts")),
             frontend=self.frontend(data.get("frontend", {})),
             require_signature=self.require_signature(data),
+            trusted_keys=self.trusted_keys(data),
         )
 
     def require_signature(self, data: dict[str, Any]) -> bool:
         value = self.boolean(data, ("require_signature",), False)
-        if value:
+        if value and not data.get("trusted_keys"):
             raise self.error(
                 ("require_signature",),
-                "= true is not supported yet (manifests are not signed); set it to false.",
+                '= true needs trusted_keys = ["signer.pub", ...] (made by `orbit keygen`).',
             )
         return value
+
+    def trusted_keys(self, data: dict[str, Any]) -> tuple[Path, ...]:
+        at: FieldPath = ("trusted_keys",)
+        value = data.get("trusted_keys", [])
+        if not isinstance(value, list):
+            raise self.error(at, f"must be a list of public key paths, got {value!r}.")
+        return tuple(self.path({"trusted_keys": v}, at, self.base_dir) for v in value)
 
     def frontend(self, table: Any) -> FrontendConfig:
         at: FieldPath = ("frontend",)

@@ -189,7 +189,7 @@ def test_host_errors_name_field_and_line(line12, message):
         ),
         (
             "require_signature = true\n" + MINIMAL,
-            "cluster.toml:1: require_signature = true is not supported yet",
+            "cluster.toml:1: require_signature = true needs trusted_keys",
         ),
         (
             'require_signature = "no"\n' + MINIMAL,
@@ -227,3 +227,10 @@ def test_errors_name_the_file(tmp_path):
     path.write_text(MINIMAL + "gpus = -1\n")
     with pytest.raises(ClusterConfigError, match=rf"^{path}:5: hosts\[0\].gpus"):
         load_cluster_config(path)
+
+
+def test_signature_settings_resolve_key_paths_against_the_file():
+    text = 'require_signature = true\ntrusted_keys = ["keys/signer.pub", "/etc/orbit/b.pub"]\n'
+    config = parse_cluster_config(text + MINIMAL, base_dir=Path("/srv"))
+    assert config.require_signature is True
+    assert config.trusted_keys == (Path("/srv/keys/signer.pub"), Path("/etc/orbit/b.pub"))
