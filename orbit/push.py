@@ -40,6 +40,7 @@ import asyncssh
 from orbit.ssh import ClusterError, HostUnreachableError, host_label, run
 from proto import package_pb2
 from runtime.package import MANIFEST_NAME, PackageError, read_manifest
+from runtime.signing import SIGNATURE_NAME
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total) of this host's files
 UPLOAD_CHUNK_BYTES = 8 << 20  # asyncssh splits each chunk into parallel SFTP writes
@@ -128,11 +129,17 @@ async def push_package(
 
 
 def files_to_push(package_dir: Path, ranks: Sequence[int]) -> list[PushFile]:
-    """The manifest first, then tokenizer files, then the shards of `ranks`."""
+    """The manifest (and its signature, if any) first, then tokenizer files, then the shards
+    of `ranks`."""
     manifest = read_manifest(package_dir)
     manifest_path = package_dir / MANIFEST_NAME
     digest = hashlib.sha256(manifest_path.read_bytes()).hexdigest()
     files = [PushFile(MANIFEST_NAME, manifest_path.stat().st_size, digest, manifest_path)]
+    signature = package_dir / SIGNATURE_NAME  # not listed in the manifest: it signs it
+    if signature.is_file():
+        data = signature.read_bytes()
+        files.append(PushFile(SIGNATURE_NAME, len(data), hashlib.sha256(data).hexdigest(),
+                              signature))
     files += [_push_file(package_dir, e) for e in manifest.tokenizer.files]
     for rank in sorted(set(ranks)):
         if not 0 <= rank < len(manifest.shards):
