@@ -235,8 +235,16 @@ def up(
     ] = 600.0,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
+    force: Annotated[
+        bool, typer.Option(help="Start even if the preflight finds hard problems.")
+    ] = False,
+    join_timeout: Annotated[
+        float,
+        typer.Option(help="Seconds a rank may take to join the TP group before it gives up."),
+    ] = 120.0,
 ) -> None:
-    """Push the package to every host of cluster.toml, start its ranks, wait until all are ready."""
+    """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
+    are ready."""
     from orbit.cluster_progress import RichUpEvents
     from orbit.cluster_up import UpOptions
     from orbit.cluster_up import up as run_up
@@ -246,6 +254,8 @@ def up(
         timeout_s=timeout,
         kv_pages=kv_pages,
         kv_cache_mb=kv_cache_mb,
+        force=force,
+        join_timeout_s=join_timeout,
     )
     with RichUpEvents(err) as events:
         result = _run_cluster(lambda: run_up(cluster_toml, opts, events))
@@ -327,3 +337,35 @@ def down(
         err.print(f"nothing to stop: no cluster is recorded for {cluster_toml}.", highlight=False)
         return
     err.print(f"down: stopped {state.tp_size} ranks on {len(state.hosts)} hosts.", highlight=False)
+
+
+# ---- orbit doctor: orbit/doctor.py (checks in orbit/checks.py, orbit/preflight.py) ----------
+
+
+@app.command()
+def doctor(
+    cluster_toml: ClusterFile,
+    accept_new_host_keys: Annotated[
+        bool, typer.Option(help="Trust and record host keys not yet in known_hosts.")
+    ] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds for each host's fingerprint.")] = 60.0,
+) -> None:
+    """Check every host of cluster.toml as `orbit up` would, without starting anything: versions,
+    GPUs, package, disk, clocks, network interfaces, ports. Exit 1 on a hard problem."""
+    from orbit.doctor import (
+        DoctorOptions,
+        findings_table,
+        fingerprint_table,
+        routes_table,
+        summary_line,
+    )
+    from orbit.doctor import doctor as run_doctor
+
+    opts = DoctorOptions(accept_new_host_keys=accept_new_host_keys, probe_timeout_s=timeout)
+    report = _run_cluster(lambda: run_doctor(cluster_toml, opts))
+    out = Console()
+    for table in (fingerprint_table(report), routes_table(report), findings_table(report)):
+        if table is not None:
+            out.print(table)
+    out.print(summary_line(report), highlight=False)
+    raise typer.Exit(1 if report.hard else 0)

@@ -38,13 +38,14 @@ from orbit.cluster_remote import (
 )
 from orbit.cluster_state import ClusterState, HostRecord, RankRecord
 from orbit.curve import ServerKeys
-from orbit.rank_link import RankLink
+from orbit.readiness import BringUpLink, phase_name, phase_times_text, where_text
 from orbit.ssh import ClusterError
 
 PROBE_INTERVAL_S = 0.5  # how often rank processes are checked over SSH while waiting
 WAIT_TICK_S = 0.1
-# (rank, host label, state): "starting" (process up), "loading" (connected), "ready".
-RankStateFn = Callable[[int, str, str], None]
+# (rank, host label, state, detail): "starting" (process up), then each phase the rank reports
+# ("connect", "join group", ...; ranks/startup.py), then "ready" with its phase times as detail.
+RankStateFn = Callable[[int, str, str, str], None]
 
 
 class FrontendBindError(ClusterError):
@@ -75,8 +76,9 @@ class Started:
 
 def rank_launch(
     host_config: HostConfig, host: HostRecord, state: ClusterState, rank: int, gpu: int,
-    kv_pages: int, kv_cache_mb: int,
+    kv_pages: int, kv_cache_mb: int, interface: str | None = None, join_timeout_s: float = 120.0,
 ) -> RankLaunch:  # fmt: skip
+    """`interface`: what the preflight chose for collectives (hosts.nccl_interface when set)."""
     flags = {
         # --package and --rank first and together: rank_marker() finds the process by them.
         "--package": host.package_dir,
@@ -89,18 +91,21 @@ def rank_launch(
         "--kv-cache-mb": str(kv_cache_mb),
         "--threads": Raw('"$threads"') if host_config.device == "cpu" else "0",
         "--curve-dir": host.curve_dir,
+        "--join-timeout-s": f"{join_timeout_s:g}",
     }
     argv = (host_config.python, "-m", "ranks", *(x for kv in flags.items() for x in kv))
     base = f"{host.run_dir}/rank-{rank}"
-    return RankLaunch(rank, argv, rank_env(host_config, gpu), base + ".pid", base + ".log")
+    env = rank_env(host_config, gpu, interface)
+    return RankLaunch(rank, argv, env, base + ".pid", base + ".log")
 
 
-def rank_env(host: HostConfig, gpu: int) -> dict[str, str]:
+def rank_env(host: HostConfig, gpu: int, interface: str | None = None) -> dict[str, str]:
     """The rank's environment: interface pins, then the host's `env` (which may override
     them), then CUDA_VISIBLE_DEVICES, which maps rank to GPU and so is never overridden."""
     env = {"PYTHONUNBUFFERED": "1"}  # log lines reach `orbit logs --follow` as written
-    if host.nccl_interface:
-        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = host.nccl_interface
+    interface = interface or host.nccl_interface
+    if interface:
+        env["NCCL_SOCKET_IFNAME"] = env["GLOO_SOCKET_IFNAME"] = interface
     env.update(host.env)
     if host.device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -126,12 +131,16 @@ async def start_host(
     await push_rank_keys(conn, keys_dir, host.curve_dir)
     pids = await launch_ranks(conn, host.run_dir, launches, _threads_preamble(len(launches)))
     for rank in pids:
-        on_state(rank, host.label, "starting")
+        on_state(rank, host.label, "starting", "")
     return pids
 
 
 async def wait_ready(
-    link: RankLink, started: list[Started], digest: str, timeout_s: float, on_state: RankStateFn
+    link: BringUpLink,
+    started: list[Started],
+    digest: str,
+    timeout_s: float,
+    on_state: RankStateFn,
 ) -> None:
     """Return when every rank has sent Ready; raise RankStartError, naming the rank and host
     with its log tail, when one exits, loads another package, or the deadline passes."""
@@ -153,17 +162,19 @@ async def wait_ready(
 
 
 def _report(
-    link: RankLink, started: list[Started], shown: dict[int, str], on_state: RankStateFn
+    link: BringUpLink, started: list[Started], shown: dict[int, str], on_state: RankStateFn
 ) -> None:
     for s in started:
-        info = link.ranks[s.record.rank]
-        state = "ready" if info.ready else "loading" if info.hello else None
-        if state and shown.get(s.record.rank) != state:
-            shown[s.record.rank] = state
-            on_state(s.record.rank, s.host.label, state)
+        rank = s.record.rank
+        ready, last = link.ranks[rank].ready, link.last_phase(rank)
+        state = "ready" if ready else phase_name(last.name) if last else None
+        if state and shown.get(rank) != state:
+            shown[rank] = state
+            detail = phase_times_text(link, rank, ready) if ready else ""
+            on_state(rank, s.host.label, state, detail)
 
 
-def _check_digests(link: RankLink, started: list[Started], digest: str) -> None:
+def _check_digests(link: BringUpLink, started: list[Started], digest: str) -> None:
     for s in started:
         hello = link.ranks[s.record.rank].hello
         if hello is not None and hello.package_digest != digest:
@@ -181,7 +192,7 @@ def _by_host(started: list[Started]) -> list[list[Started]]:
     return list(groups.values())
 
 
-async def _check_alive(link: RankLink, started: list[Started]) -> None:
+async def _check_alive(link: BringUpLink, started: list[Started]) -> None:
     """Raise for the first rank whose process is gone, with its log tail."""
     probes = await run_all(
         probe_ranks(group[0].conn, [s.pid_ref() for s in group]) for group in _by_host(started)
@@ -190,12 +201,19 @@ async def _check_alive(link: RankLink, started: list[Started]) -> None:
     for s in started:
         proc = found.get(s.record.rank)
         if proc is None or not proc.alive:
-            said = f" It reported: {link.failure}." if link.failure else ""
-            raise await _rank_error(s, f"exited during start-up.{said}")
+            said = link.failure_messages.get(s.record.rank)
+            said = f" It reported: {said}." if said else ""
+            where = where_text(link, s.record.rank)
+            others = "".join(
+                f" Rank {o.record.rank} on {o.host.label}: {where_text(link, o.record.rank)}."
+                for o in started
+                if o is not s and link.ranks[o.record.rank].ready is None
+            )
+            raise await _rank_error(s, f"exited during start-up ({where}).{said}{others}")
 
 
 async def _not_ready_error(
-    link: RankLink, started: list[Started], timeout_s: float
+    link: BringUpLink, started: list[Started], timeout_s: float
 ) -> RankStartError:
     # Ranks that never connected first: a rank that connected usually waits for them in the
     # TP group, so the log worth showing is the first silent rank's.
@@ -204,8 +222,7 @@ async def _not_ready_error(
         key=lambda s: (link.ranks[s.record.rank].hello is not None, s.record.rank),
     )
     names = ", ".join(
-        f"rank {s.record.rank} on {s.host.label} "
-        f"({'loading' if link.ranks[s.record.rank].hello else 'never connected'})"
+        f"rank {s.record.rank} on {s.host.label} ({where_text(link, s.record.rank)})"
         for s in waiting
     )
     first = waiting[0]
@@ -273,11 +290,11 @@ def pick_frontend_port(frontend: FrontendConfig) -> int:
     )
 
 
-def bind_frontend(tp_size: int, address: str, port: int, curve: ServerKeys) -> RankLink:
+def bind_frontend(tp_size: int, address: str, port: int, curve: ServerKeys) -> BringUpLink:
     """The frontend's ROUTER on address:port, admitting only ranks with the cluster's CURVE
     client key; raises FrontendBindError with the fix."""
     try:
-        return RankLink(tp_size, address, port, curve=curve)
+        return BringUpLink(tp_size, address, port, curve=curve)
     except zmq.ZMQError as e:
         if e.errno == errno.EADDRNOTAVAIL:
             raise _not_local(address) from None

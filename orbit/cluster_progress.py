@@ -21,9 +21,20 @@ from rich.progress import (
 from rich.text import Text
 
 from orbit.cluster_up import UpEvents
+from orbit.doctor import findings_table, fingerprint_table, summary_line
+from orbit.preflight import PreflightReport
 from orbit.push import PushResult
 
-RANK_STEPS = {"starting": 1, "loading": 2, "ready": 3}  # out of 3: started, connected, ready
+# A rank's line counts these steps: the process started, each phase it reports, ready. CPU
+# ranks skip graph capture, so their bar jumps one step there.
+RANK_STEPS = {
+    name: step
+    for step, name in enumerate(
+        ("starting", "connect", "join group", "load", "KV allocation", "graph capture",
+         "collectives check", "ready"),
+        start=1,
+    )
+}  # fmt: skip
 
 
 class _BytesColumn(DownloadColumn):
@@ -77,12 +88,27 @@ class RichUpEvents(UpEvents):
         status = f"{result.files_uploaded} sent, {result.files_skipped} already there"
         self.progress.update(self.hosts[host_index], status=status)
 
-    def rank_state(self, rank: int, host_label: str, state: str) -> None:
+    def preflight(self, report: PreflightReport) -> None:
+        """The findings (and, when one is hard, every host's fingerprint), then a summary."""
+        console = self.progress.console
+        if report.hard:
+            console.print(fingerprint_table(report))
+        table = findings_table(report)
+        if table is not None:
+            console.print(table)
+        interfaces = ", ".join(i or "not pinned" for i in report.interfaces)
+        console.print(
+            f"preflight: {summary_line(report)} Collectives interface per host: {interfaces}.",
+            highlight=False,
+        )
+
+    def rank_state(self, rank: int, host_label: str, state: str, detail: str = "") -> None:
         if rank not in self.ranks:
             self.ranks[rank] = self.progress.add_task(
                 f"rank {rank} on {host_label}", total=len(RANK_STEPS), status=state, push=False
             )
-        self.progress.update(self.ranks[rank], completed=RANK_STEPS[state], status=state)
+        status = f"{state} in {detail}" if detail else state
+        self.progress.update(self.ranks[rank], completed=RANK_STEPS.get(state, 0), status=status)
 
     def note(self, text: str) -> None:
         self.progress.console.print(text, highlight=False)

@@ -4,13 +4,19 @@ all are ready, record the cluster. docs/cluster.md ("orbit up") describes it for
 How bring-up works:
 1. Read cluster.toml and the local package; the hosts must hold exactly tp_size ranks.
 2. Connect to every host in parallel (host keys checked; see orbit/ssh.py).
+2b. Preflight (orbit/preflight.py): fingerprint every host, compare them, choose the interface
+   for collectives, check that the frontend and torch.distributed ports are reachable from
+   every host. A HARD finding stops here unless --force.
 3. If a cluster is recorded for this cluster.toml: with the same package and launch settings and
    every rank alive, stop here (no-op); otherwise stop the recorded ranks first.
 4. Push each host its ranks' files in parallel (orbit/push.py verifies every blob on the host).
-5. Pick the frontend port (free here) and the torch.distributed port (free on rank 0's host)
-   from frontend.port_range, bind the frontend endpoint, start the ranks detached.
-6. Wait until every rank has sent Ready, polling the rank processes over SSH: a rank that exits
-   fails bring-up at once with its log tail; one still not ready at the deadline fails it too.
+5. Use the ports the preflight checked (the frontend port free here, the torch.distributed
+   port free on rank 0's host, both from frontend.port_range), bind the frontend endpoint,
+   start the ranks detached with the chosen interface pinned.
+6. Wait until every rank has sent Ready, showing the phase each reports, polling the rank
+   processes over SSH: a rank that exits fails bring-up at once with its phase and log tail;
+   one still not ready at the deadline fails it too, naming the phase it is stuck in. Ready
+   carries each rank's collectives check, which is printed and judged.
 7. On success write the state record and release the endpoint for `orbit serve --cluster`. On
    any failure, or Ctrl-C, stop every rank started in step 5 (by pid file), then raise.
 """
@@ -59,7 +65,10 @@ from orbit.cluster_state import (
     save_state,
 )
 from orbit.curve import ServerKeys, create_keys
+from orbit.fingerprint import PROBE_TIMEOUT_S
+from orbit.preflight import Ports, PreflightReport, preflight, refusal
 from orbit.push import PushResult, push_package
+from orbit.readiness import BringUpLink, collectives_text, collectives_warnings
 from orbit.ssh import DEFAULT_CONNECT_TIMEOUT_S
 from runtime.package import Package, open_package
 
@@ -75,6 +84,10 @@ class UpOptions:
     kv_pages: int = 0  # 0: ranks size their KV cache from memory (or kv_cache_mb on CPU)
     kv_cache_mb: int = 512
     stop_grace_s: float = STOP_GRACE_S
+    # Start even when the preflight finds HARD problems (they are still reported).
+    force: bool = False
+    # Each rank's limit on joining the TP group and on the collectives check (its watchdog).
+    join_timeout_s: float = 120.0
 
 
 class UpEvents:
@@ -86,7 +99,9 @@ class UpEvents:
 
     def pushed(self, host_index: int, result: PushResult) -> None: ...
 
-    def rank_state(self, rank: int, host_label: str, state: str) -> None: ...
+    def preflight(self, report: PreflightReport) -> None: ...
+
+    def rank_state(self, rank: int, host_label: str, state: str, detail: str = "") -> None: ...
 
     def note(self, text: str) -> None: ...
 
@@ -116,10 +131,14 @@ async def up(
 async def _up(
     config_path: Path, config: ClusterConfig, pkg: Package, opts: UpOptions, events: UpEvents
 ) -> UpResult:
-    fingerprint = launch_fingerprint(config, opts)
     connect_timeout_s = min(opts.timeout_s, DEFAULT_CONNECT_TIMEOUT_S)
     async with HostPool(opts.accept_new_host_keys, connect_timeout_s) as pool:
         conns = await pool.get_all(config.hosts)
+        report = await preflight(conns, config, pkg, min(opts.timeout_s, PROBE_TIMEOUT_S))
+        events.preflight(report)
+        if report.hard and not opts.force:
+            raise refusal(report)
+        fingerprint = launch_fingerprint(config, opts, report.interfaces)
         previous = load_state(config_path)
         if previous is not None:
             same = (previous.package_digest, previous.launch_fingerprint) == (
@@ -132,7 +151,8 @@ async def _up(
             await stop_cluster(pool, previous, opts.stop_grace_s)
             remove_state(config_path)  # they are gone, whatever happens next
         pushed = await _push_all(conns, config, pkg, events)
-        state = await _start(config_path, config, conns, pushed, pkg, fingerprint, opts, events)
+        launch = _Launch(config, conns, pushed, pkg, fingerprint, report)
+        state = await _start(config_path, launch, opts, events)
     return UpResult(state, already_running=False, replaced=previous is not None)
 
 
@@ -149,8 +169,11 @@ def _warn_if_unreachable_frontend(config: ClusterConfig, events: UpEvents) -> No
         )
 
 
-def launch_fingerprint(config: ClusterConfig, opts: UpOptions) -> str:
-    """A hash of every setting that changes how ranks are started."""
+def launch_fingerprint(
+    config: ClusterConfig, opts: UpOptions, interfaces: tuple[str | None, ...] = ()
+) -> str:
+    """A hash of every setting that changes how ranks are started, including the interfaces
+    the preflight chose for collectives."""
     hosts = [
         [
             h.address,
@@ -166,7 +189,7 @@ def launch_fingerprint(config: ClusterConfig, opts: UpOptions) -> str:
         for h in config.hosts
     ]
     frontend = [config.frontend.address, list(config.frontend.port_range)]
-    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb])
+    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces)])
     return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -190,45 +213,60 @@ async def _push_all(
     return await run_all(one(i) for i in range(len(config.hosts)))
 
 
-async def _start(
-    config_path: Path,
-    config: ClusterConfig,
-    conns: list[asyncssh.SSHClientConnection],
-    pushed: list[PushResult],
-    pkg: Package,
-    fingerprint: str,
-    opts: UpOptions,
-    events: UpEvents,
-) -> ClusterState:
-    """Steps 5 to 7 of the bring-up; returns the recorded state."""
+@dataclass(frozen=True)
+class _Launch:
+    """What step 5 starts from: the hosts, what was pushed, and what the preflight chose."""
+
+    config: ClusterConfig
+    conns: list[asyncssh.SSHClientConnection]
+    pushed: list[PushResult]
+    pkg: Package
+    fingerprint: str
+    report: PreflightReport
+
+
+async def _ports(launch: _Launch) -> Ports:
+    """The ports the preflight checked; picked here, unchecked, when it could not (--force)."""
+    if launch.report.ports is not None:
+        return launch.report.ports
+    config = launch.config
     frontend_port = pick_frontend_port(config.frontend)
     dist_port = await free_remote_port(
-        conns[0], config.hosts[0].python, config.frontend.port_range, frontend_port
+        launch.conns[0], config.hosts[0].python, config.frontend.port_range, frontend_port
     )
+    return Ports(frontend_port, dist_port)
+
+
+async def _start(
+    config_path: Path, launch: _Launch, opts: UpOptions, events: UpEvents
+) -> ClusterState:
+    """Steps 5 to 7 of the bring-up; returns the recorded state."""
+    config, conns, pkg = launch.config, launch.conns, launch.pkg
+    ports = await _ports(launch)
     keys = create_keys(curve_key_dir(config_path))  # fresh per bring-up
     state = ClusterState(
         config_path=str(config_path.absolute()),
         package_path=str(pkg.root.absolute()),
         package_digest=pkg.digest,
-        launch_fingerprint=fingerprint,
+        launch_fingerprint=launch.fingerprint,
         tp_size=pkg.tp_size,
         frontend_address=config.frontend.address,
-        frontend_port=frontend_port,
-        dist_init=f"tcp://{config.hosts[0].address}:{dist_port}",
+        frontend_port=ports.frontend_port,
+        dist_init=f"tcp://{config.hosts[0].address}:{ports.dist_port}",
         started_at=time.time(),
         curve_dir=str(keys),
         hosts=tuple(_host_record(i, h, r, pkg.digest) for i, (h, r) in
-                    enumerate(zip(config.hosts, pushed))),
+                    enumerate(zip(config.hosts, launch.pushed))),
         ranks=(),
     )  # fmt: skip
-    launches = _launches(config, state, opts)
+    launches = _launches(config, state, opts, launch.report.interfaces)
     started = [
-        Started(_rank_record(config, launch), state.hosts[i], conns[i])
+        Started(_rank_record(config, spec), state.hosts[i], conns[i])
         for i, host_launches in enumerate(launches)
-        for launch in host_launches
+        for spec in host_launches
     ]
     link = bind_frontend(
-        state.tp_size, state.frontend_address, frontend_port, ServerKeys.load(keys)
+        state.tp_size, state.frontend_address, ports.frontend_port, ServerKeys.load(keys)
     )
     link.start()
     try:
@@ -237,6 +275,7 @@ async def _start(
             for h in state.hosts
         )
         await wait_ready(link, started, pkg.digest, opts.timeout_s, events.rank_state)
+        _report_collectives(link, events)
         pids = {rank: pid for host_pids in found for rank, pid in host_pids.items()}
         ranks = tuple(dataclasses.replace(s.record, pid=pids[s.record.rank]) for s in started)
         state = dataclasses.replace(state, ranks=ranks, started_at=time.time())
@@ -248,6 +287,13 @@ async def _start(
         raise
     finally:
         link.close()
+
+
+def _report_collectives(link: BringUpLink, events: UpEvents) -> None:
+    readies = [r.ready for r in link.ranks if r.ready is not None]
+    summary = collectives_text(readies)
+    for line in ([summary] if summary else []) + collectives_warnings(readies):
+        events.note(line)
 
 
 def _host_record(index: int, host: HostConfig, pushed: PushResult, digest: str) -> HostRecord:
@@ -266,7 +312,10 @@ def _host_record(index: int, host: HostConfig, pushed: PushResult, digest: str) 
 
 
 def _launches(
-    config: ClusterConfig, state: ClusterState, opts: UpOptions
+    config: ClusterConfig,
+    state: ClusterState,
+    opts: UpOptions,
+    interfaces: tuple[str | None, ...],
 ) -> list[list[RankLaunch]]:
     """Per host, in rank order, how each of its ranks is started."""
     launches: list[list[RankLaunch]] = [[] for _ in config.hosts]
@@ -274,7 +323,7 @@ def _launches(
         host = config.hosts[p.host_index]
         launches[p.host_index].append(rank_launch(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
-            opts.kv_cache_mb,
+            opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
         ))  # fmt: skip
     return launches
 

@@ -21,6 +21,9 @@ class RankConfig:
     exit_with_parent: bool  # local ranks of `orbit serve` end when the frontend process does
     trusted_keys: tuple[str, ...]  # Ed25519 public keys; non-empty: the package must be signed
     curve_dir: str  # "": plain link (loopback); else client.key_secret + server.key for CURVE
+    # Limit on joining the TP group and on the collectives check; past it the rank reports a
+    # Failure naming the phase and exits (NCCL and gloo init cannot be aborted from inside).
+    join_timeout_s: float = 120.0
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
@@ -38,6 +41,7 @@ class RankConfig:
         p.add_argument("--exit-with-parent", action="store_true")
         p.add_argument("--trusted-key", action="append", default=[])
         p.add_argument("--curve-dir", default="")
+        p.add_argument("--join-timeout-s", type=float, default=120.0)
         a = p.parse_args(argv)
         return cls(
             package=a.package,
@@ -53,4 +57,5 @@ class RankConfig:
             exit_with_parent=a.exit_with_parent,
             trusted_keys=tuple(a.trusted_key),
             curve_dir=a.curve_dir,
+            join_timeout_s=a.join_timeout_s,
         )

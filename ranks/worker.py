@@ -1,9 +1,11 @@
-"""The rank's life: connect, load, join the TP group, report ready, execute steps until told
-to stop. Any failure is reported to the frontend as a Failure message before exiting non-zero,
-since a TP group cannot go on without one of its members."""
+"""The rank's life: connect, join the TP group, load, allocate KV (capture graphs on CUDA),
+check collectives, report ready, execute steps until told to stop. Each start-up phase is
+reported as it begins (ranks/startup.py). Any failure is reported to the frontend as a Failure
+message before exiting non-zero, since a TP group cannot go on without one of its members."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -19,7 +21,9 @@ import zmq
 
 from orbit.curve import ClientKeys, secure_client
 from proto import wire_pb2
+from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig
+from ranks.startup import Phases, Watchdog
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.layers import TPGroup
 from runtime.model import build_model
@@ -55,12 +59,18 @@ class Rank:
         self.ready: wire_pb2.Ready | None = None
         self.closing = threading.Event()
         self.sample = sample  # the CUDA path swaps in runtime.cuda_sampling.sample
+        self.phases = Phases(cfg.rank, lambda msg: self.sock.send(msg.SerializeToString()))
+        self.watchdog = Watchdog(
+            self.ctx, cfg.frontend, cfg.curve_dir, cfg.rank, cfg.join_timeout_s
+        )
 
     def send(self, **kind) -> None:
         self.sock.send(wire_pb2.FromRank(**kind).SerializeToString())
 
     def start(self) -> None:
-        cfg = self.cfg
+        """Hello, then the start-up phases (each reported as a Phase), then Ready."""
+        cfg, phases = self.cfg, self.phases
+        phases.enter(wire_pb2.PHASE_CONNECT)
         trusted = [load_public_key(k) for k in cfg.trusted_keys] if cfg.trusted_keys else None
         pkg = open_package(cfg.package, trusted_keys=trusted)
         self.hello = wire_pb2.Hello(
@@ -77,9 +87,21 @@ class Rank:
             )
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        group = self._join_group()
+        if cfg.device == "cuda":
+            torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES leaves each rank one GPU: device 0
+        phases.enter(wire_pb2.PHASE_JOIN_GROUP)
+        with self.watchdog.watch(wire_pb2.PHASE_JOIN_GROUP):
+            group = self._join_group()
         self.runner, num_pages = self._load(pkg, group)
-        self.ready = wire_pb2.Ready(rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device)
+        phases.enter(wire_pb2.PHASE_COLLECTIVES_CHECK)
+        with self.watchdog.watch(wire_pb2.PHASE_COLLECTIVES_CHECK):
+            check = self._check_collectives(pkg)
+        self.ready = wire_pb2.Ready(
+            rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device, startup_s=phases.elapsed_s()
+        )
+        if check is not None:
+            self.ready.MergeFrom(wire_pb2.Ready(**dataclasses.asdict(check)))
+        phases.current = wire_pb2.PHASE_UNSPECIFIED
         self.send(ready=self.ready)
 
     def _join_group(self) -> TPGroup:
@@ -92,25 +114,46 @@ class Rank:
                 world_size=cfg.tp_size,
                 timeout=timedelta(seconds=120),
             )
+            join_check(self.device)
         return TPGroup(cfg.rank, cfg.tp_size)
 
-    def _load(self, pkg: Package, group: TPGroup):
-        cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
-        if cfg.device == "cuda":
-            from runtime import cuda_sampling
-            from runtime.cuda_runner import build_cuda_runner
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0) if self.cfg.device == "cuda" else torch.device("cpu")
 
-            # CUDA_VISIBLE_DEVICES leaves each rank one GPU: device 0.
-            torch.cuda.set_device(0)
-            self.sample = cuda_sampling.sample
-            return build_cuda_runner(pkg, group, cfg)
-        model = build_model(spec, pkg.load_shard(cfg.rank), group, caps.max_seq_len)
+    def _load(self, pkg: Package, group: TPGroup):
+        """Load the shard, allocate the KV cache (and capture graphs on CUDA); return the
+        runner and its KV page count."""
+        cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
+        self.phases.enter(wire_pb2.PHASE_LOAD)
+        tensors = pkg.load_shard(cfg.rank, self.device)
+        model = build_model(spec, tensors, group, caps.max_seq_len, self.device)
+        self.phases.enter(wire_pb2.PHASE_KV_ALLOCATION)
+        if cfg.device == "cuda":
+            return self._cuda_runner(model, caps)
         num_pages = cfg.kv_pages
         if not num_pages:
             page = KVCacheShape.for_spec(spec, cfg.tp_size, 1, caps.kv_page_size)
             num_pages = max(1, (cfg.kv_cache_mb << 20) // page.bytes(pkg.dtype))
         shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
         return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), num_pages
+
+    def _cuda_runner(self, model, caps):
+        # runtime.cuda_runner.build_cuda_runner's steps, split so each phase is reported.
+        from runtime import cuda_sampling
+        from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
+
+        self.sample = cuda_sampling.sample
+        runner = CudaGraphRunner(model, caps, CudaRunnerOptions(max_kv_pages=self.cfg.kv_pages))
+        self.phases.enter(wire_pb2.PHASE_GRAPH_CAPTURE)
+        runner.capture()
+        return runner, runner.kv_plan.num_pages
+
+    def _check_collectives(self, pkg: Package) -> CollectivesCheck | None:
+        if self.cfg.tp_size == 1:
+            return None
+        hidden, max_batch = pkg.spec.hidden_size, pkg.capacities.max_batch
+        return check_collectives(hidden, max_batch, pkg.dtype, self.device)
 
     def start_heartbeats(self) -> None:
         """Heartbeat from a thread with its own socket, so that the frontend hears from this
@@ -212,7 +255,10 @@ def main(cfg: RankConfig) -> int:
         rank.serve()
     except Exception as e:
         log.exception("rank %d failed", cfg.rank)
-        rank.send(failure=wire_pb2.Failure(rank=cfg.rank, message=f"{type(e).__name__}: {e}"))
+        failure = wire_pb2.Failure(
+            rank=cfg.rank, message=f"{type(e).__name__}: {e}", phase=rank.phases.current
+        )
+        rank.send(failure=failure)
         rank.close()
         return 1
     rank.close()
