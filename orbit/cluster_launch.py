@@ -77,8 +77,11 @@ class Started:
 def rank_launch(
     host_config: HostConfig, host: HostRecord, state: ClusterState, rank: int, gpu: int,
     kv_pages: int, kv_cache_mb: int, interface: str | None = None, join_timeout_s: float = 120.0,
+    num_trusted_keys: int = 0,
 ) -> RankLaunch:  # fmt: skip
-    """`interface`: what the preflight chose for collectives (hosts.nccl_interface when set)."""
+    """`interface`: what the preflight chose for collectives (hosts.nccl_interface when set);
+    `num_trusted_keys`: public keys pushed beside the CURVE keys, which the rank then requires
+    the package to be signed by."""
     flags = {
         # --package and --rank first and together: rank_marker() finds the process by them.
         "--package": host.package_dir,
@@ -94,6 +97,8 @@ def rank_launch(
         "--join-timeout-s": f"{join_timeout_s:g}",
     }
     argv = (host_config.python, "-m", "ranks", *(x for kv in flags.items() for x in kv))
+    for i in range(num_trusted_keys):
+        argv += ("--trusted-key", f"{host.curve_dir}/trusted-{i}.pub")
     base = f"{host.run_dir}/rank-{rank}"
     env = rank_env(host_config, gpu, interface)
     return RankLaunch(rank, argv, env, base + ".pid", base + ".log")

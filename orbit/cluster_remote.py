@@ -248,7 +248,8 @@ async def push_rank_keys(
     private = asyncssh.SFTPAttrs(permissions=0o600)
     try:
         async with conn.start_sftp_client() as sftp:
-            for name in RANK_KEY_FILES:
+            trusted = sorted(p.name for p in local_dir.glob("trusted-*.pub"))
+            for name in (*RANK_KEY_FILES, *trusted):
                 path = posixpath.join(remote_dir, name)
                 async with sftp.open(path, "wb", attrs=private) as f:
                     await f.write((local_dir / name).read_bytes())

@@ -70,7 +70,7 @@ from orbit.preflight import Ports, PreflightReport, preflight, refusal
 from orbit.push import PushResult, push_package
 from orbit.readiness import BringUpLink, collectives_text, collectives_warnings
 from orbit.ssh import DEFAULT_CONNECT_TIMEOUT_S
-from runtime.package import Package, open_package
+from runtime.package import Package, PackageError, open_package
 
 __all__ = ["FrontendBindError", "RankStartError", "UpEvents", "UpOptions", "UpResult", "up"]
 
@@ -121,11 +121,24 @@ async def up(
     PackageError. Nothing this call started is left running when it raises."""
     events = events or UpEvents()
     config = load_cluster_config(config_path)
-    pkg = open_package(config.package)
+    pkg = open_package(config.package, trusted_keys=_trusted_keys(config))
     config.check_tp_size(pkg.tp_size)
     _warn_if_unreachable_frontend(config, events)
     with cluster_lock(config_path):
         return await _up(Path(config_path), config, pkg, opts, events)
+
+
+def _trusted_keys(config: ClusterConfig) -> list | None:
+    """With require_signature, the package must be signed by one of trusted_keys; a bad key
+    file is a PackageError like a bad signature, naming the file."""
+    if not config.require_signature:
+        return None
+    from runtime.signing import SignatureError, load_public_key
+
+    try:
+        return [load_public_key(k) for k in config.trusted_keys]
+    except SignatureError as e:
+        raise PackageError(str(e)) from None
 
 
 async def _up(
@@ -244,6 +257,9 @@ async def _start(
     config, conns, pkg = launch.config, launch.conns, launch.pkg
     ports = await _ports(launch)
     keys = create_keys(curve_key_dir(config_path))  # fresh per bring-up
+    if config.require_signature:  # ranks check the signature themselves, with these keys
+        for i, key in enumerate(config.trusted_keys):
+            shutil.copyfile(key, keys / f"trusted-{i}.pub")
     state = ClusterState(
         config_path=str(config_path.absolute()),
         package_path=str(pkg.root.absolute()),
@@ -324,6 +340,7 @@ def _launches(
         launches[p.host_index].append(rank_launch(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
             opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
+            len(config.trusted_keys) if config.require_signature else 0,
         ))  # fmt: skip
     return launches
 

@@ -304,7 +304,9 @@ def test_serve_cluster_matches_transformers_and_leaves_the_ranks(
 
     pids = [r.pid for r in load_state(running.path).ranks]
     tok = AutoTokenizer.from_pretrained(str(package / "tokenizer"))
-    with ServerProcess(package, "--cluster", str(running.path), ready_timeout_s=90, orbit_args=STATE_ARGS) as server:
+    with ServerProcess(
+        package, "--cluster", str(running.path), ready_timeout_s=90, orbit_args=STATE_ARGS
+    ) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
         for prompt in PROMPTS:
@@ -337,8 +339,17 @@ def test_logs_print_one_ranks_log_and_follow_stops_cleanly(running):
     assert "rank 0:" not in done.stdout
 
     follow = subprocess.Popen(
-        [sys.executable, "-m", "orbit", *STATE_ARGS, "logs", str(running.path), "--follow",
-         "--lines", "5"],
+        [
+            sys.executable,
+            "-m",
+            "orbit",
+            *STATE_ARGS,
+            "logs",
+            str(running.path),
+            "--follow",
+            "--lines",
+            "5",
+        ],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -429,7 +440,9 @@ def test_a_rank_dying_under_serve_fails_fast_and_serve_recovers_after_up(
     cluster = write_cluster(tmp_path_factory.mktemp("death"), package, hosts, "death")
     try:
         state = asyncio.run(up(cluster.path, UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=64))).state
-        with ServerProcess(package, "--cluster", str(cluster.path), ready_timeout_s=90, orbit_args=STATE_ARGS) as server:
+        with ServerProcess(
+            package, "--cluster", str(cluster.path), ready_timeout_s=90, orbit_args=STATE_ARGS
+        ) as server:
             os.kill(state.ranks[1].pid, signal.SIGKILL)
             deadline = time.monotonic() + HEARTBEAT_SILENCE_S + 15
             while time.monotonic() < deadline and _health(server) == 200:
@@ -438,22 +451,29 @@ def test_a_rank_dying_under_serve_fails_fast_and_serve_recovers_after_up(
             while time.monotonic() < deadline and alive(state.ranks[0].pid):
                 time.sleep(0.2)
             assert not alive(state.ranks[0].pid)  # told to shut down: its group is broken
-            r = httpx.post(server.url + "/v1/completions", timeout=10,
-                           json={"model": "llama", "prompt": "hi", "max_tokens": 2})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=10,
+                json={"model": "llama", "prompt": "hi", "max_tokens": 2},
+            )
             assert r.status_code == 503
             status = orbit("status", str(cluster.path))
             assert status.returncode == 1
             assert status.stdout.count(" no ") == 2, status.stdout
             # The frontend stays up; a new `orbit up` brings a new group it attaches to.
-            again = orbit("up", str(cluster.path), "--timeout", str(UP_TIMEOUT_S),
-                          "--kv-pages", "64")
+            again = orbit(
+                "up", str(cluster.path), "--timeout", str(UP_TIMEOUT_S), "--kv-pages", "64"
+            )
             assert again.returncode == 0, again.stderr
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and _health(server) != 200:
                 time.sleep(0.2)
             assert _health(server) == 200
-            r = httpx.post(server.url + "/v1/completions", timeout=60,
-                           json={"model": "llama", "prompt": "hi", "max_tokens": 2})
+            r = httpx.post(
+                server.url + "/v1/completions",
+                timeout=60,
+                json={"model": "llama", "prompt": "hi", "max_tokens": 2},
+            )
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
             assert server.stop(signal.SIGTERM) == 0
     finally:
@@ -463,3 +483,50 @@ def test_a_rank_dying_under_serve_fails_fast_and_serve_recovers_after_up(
 
 def _health(server: ServerProcess) -> int:
     return httpx.get(server.url + "/health", timeout=5).status_code
+
+
+def test_required_signature_refuses_unsigned_and_ranks_check_signed(
+    hosts, package, tiny_checkpoints, tmp_path_factory
+):
+    folder = tmp_path_factory.mktemp("signed")
+    assert orbit("keygen", str(folder / "signer")).returncode == 0
+    signed = folder / "signed-pkg"
+    made = orbit(
+        "prepare",
+        str(tiny_checkpoints["llama"]),
+        "--tp",
+        "2",
+        "--out",
+        str(signed),
+        "--max-batch",
+        "8",
+        "--page-size",
+        "4",
+        "--max-step-tokens",
+        "32",
+        "--sign",
+        str(folder / "signer"),
+    )
+    assert made.returncode == 0, made.stderr
+    head = 'require_signature = true\ntrusted_keys = ["signer.pub"]\n'
+
+    refused = write_cluster(folder / "a", package, hosts, "unsigned")
+    refused.path.write_text(
+        head.replace("signer.pub", str(folder / "signer.pub")) + refused.path.read_text()
+    )
+    done = orbit("up", str(refused.path), "--timeout", str(UP_TIMEOUT_S))
+    assert done.returncode == 1
+    assert "is not signed (manifest.sig is missing)" in " ".join(done.stderr.split())
+    assert rank_processes(refused.workdirs) == []
+
+    ok = write_cluster(folder / "b", signed, hosts, "signed")
+    ok.path.write_text(head.replace("signer.pub", str(folder / "signer.pub")) + ok.path.read_text())
+    try:
+        done = orbit("up", str(ok.path), "--timeout", str(UP_TIMEOUT_S), "--kv-pages", "64")
+        assert done.returncode == 0, done.stderr
+        for r in load_state(ok.path).ranks:  # each rank was told to check the signature
+            cmdline = Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0")
+            assert b"--trusted-key" in cmdline
+    finally:
+        asyncio.run(cluster_down(ok.path, grace_s=10.0))
+    assert rank_processes(ok.workdirs) == []
