@@ -1,9 +1,13 @@
 """The frontend's engine: admits requests into the scheduler, runs the step loop against the
 ranks, and streams each sequence's tokens back to its HTTP handler.
 
-One step is in flight at a time: schedule, send the plan to every rank, wait for rank 0's
-samples, apply them, repeat. Handlers and the loop share one asyncio event loop, so the
-scheduler is never touched from two places at once.
+The loop keeps up to two steps in flight (EngineConfig.overlap): right after sending step N
+it schedules and sends N+1 without waiting for N's samples, so the ranks find the next plan
+waiting when they finish one; when N's result arrives it is applied and N+2 is sent. Steps are
+sent and applied in order. A token that N samples is not known to the frontend when N+1 is
+planned: N+1 tells the ranks to feed the token each sampled itself (follows_sample, see
+runtime/scheduler.py). Handlers and the loop share one asyncio event loop, so the scheduler is
+never touched from two places at once.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -71,6 +76,13 @@ class EngineConfig:
     # Requests waiting for their first step beyond this are refused with 429, so a flood
     # costs bounded memory.
     max_queue: int = 1024
+    # Plan and send the next step while the last one runs (two in flight), so the ranks do not
+    # wait for the frontend between steps. False: one step at a time (benchmarks compare).
+    overlap: bool = True
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        return 2 if self.overlap else 1
 
 
 class Engine:
@@ -86,7 +98,10 @@ class Engine:
         self._error: EngineError | None = None
         self._stopping = False
         self.steps = 0
-        self.step_seconds = 0.0
+        self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
+        self._last_result_at = 0.0
+        # Rank 0's execute_s of the latest steps, for benchmarks.
+        self.recent_execute_s: deque[float] = deque(maxlen=4096)
 
     # ---- the interface the HTTP layer uses ---------------------------------------------------
     @property
@@ -209,18 +224,24 @@ class Engine:
 
     async def run(self) -> None:
         """The step loop; returns when the engine fails or is closed."""
-        while self._error is None:
-            step = self.scheduler.schedule()
-            if step is None:
-                await self._wake.wait()
-                self._wake.clear()
-                continue
-            try:
-                result = await self._execute(step)
-            except RankFailure as e:
-                self.fail(EngineError(str(e)))
-                return
-            self._deliver(step, result)
+        in_flight: deque[tuple[Step, asyncio.Future, float]] = deque()  # sent, oldest first
+        try:
+            while self._error is None:
+                if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
+                    continue
+                if not in_flight:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    step, result = await self._next_result(in_flight)
+                except RankFailure as e:
+                    self.fail(EngineError(str(e)))
+                    return
+                self._deliver(step, result)
+        finally:
+            for step, fut, _ in in_flight:
+                self.link.abandon(step.step_id, fut)
 
     # ---- internals -------------------------------------------------------------------------
     def _check_serving(self) -> None:
@@ -249,12 +270,24 @@ class Engine:
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids),
         )
 
-    async def _execute(self, step: Step) -> wire_pb2.StepResult:
-        t0 = time.perf_counter()
-        result = await self.link.run_step(_plan(step), self.config.step_timeout_s)
+    def _send_next(self, in_flight: deque) -> bool:
+        step = self.scheduler.schedule()
+        if step is None:
+            return False
+        in_flight.append((step, self.link.submit(_plan(step)), time.perf_counter()))
+        return True
+
+    async def _next_result(self, in_flight: deque) -> tuple[Step, wire_pb2.StepResult]:
+        step, fut, sent_at = in_flight.popleft()
+        result = await self.link.result(step.step_id, fut, self.config.step_timeout_s)
+        now = time.perf_counter()
+        # A step's time starts when it was sent or when the one before it answered, whichever
+        # is later, so that the overlapping steps' times add up to the time spent stepping.
+        self.step_seconds += now - max(sent_at, self._last_result_at)
+        self._last_result_at = now
         self.steps += 1
-        self.step_seconds += time.perf_counter() - t0
-        return result
+        self.recent_execute_s.append(result.execute_s)
+        return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
         samples = {s.seq_id: s for s in result.samples}
@@ -298,6 +331,7 @@ def _plan(step: Step) -> wire_pb2.StepPlan:
                 start_pos=c.start_pos,
                 new_pages=c.new_pages,
                 sample=c.sample,
+                follows_sample=c.follows_sample,
             )
         )
     return plan

@@ -110,25 +110,49 @@ class RankLink:
         if self.failure:
             raise self.failure
 
-    async def run_step(self, plan: wire_pb2.StepPlan, timeout_s: float) -> wire_pb2.StepResult:
-        """Send the plan to every rank; return rank 0's result once all ranks answered."""
-        if self.failure:
-            raise self.failure
+    @property
+    def steps_in_flight(self) -> int:
+        """Submitted steps not yet answered by every rank (nor abandoned)."""
+        return len(self._pending)
+
+    def submit(self, plan: wire_pb2.StepPlan) -> asyncio.Future:
+        """Send the plan to every rank without waiting for the sends or the answers. The future
+        resolves to rank 0's result once every rank answered (await it with `result`), or
+        fails with RankFailure. pyzmq sends a socket's messages in call order, and each rank
+        executes plans as they arrive, so every rank runs the plans in submission order."""
         fut = asyncio.get_running_loop().create_future()
+        if self.failure:
+            fut.set_exception(self.failure)
+            return fut
         self._pending[plan.step_id] = (fut, [None] * self.tp_size)
         data = wire_pb2.ToRank(step=plan).SerializeToString()
+        for r in range(self.tp_size):
+            self.sock.send_multipart([_identity(r), data]).add_done_callback(self._check_sent)
+        return fut
+
+    async def result(
+        self, step_id: int, fut: asyncio.Future, timeout_s: float
+    ) -> wire_pb2.StepResult:
+        """Wait at most timeout_s for a submitted step's result; a timeout fails the link."""
         try:
-            for r in range(self.tp_size):
-                await self.sock.send_multipart([_identity(r), data])
             return await asyncio.wait_for(fut, timeout_s)
-        except zmq.ZMQError as e:
-            self.fail(RankFailure(f"cannot send to a rank: {e}"))
-            raise self.failure from None
         except TimeoutError:
-            self.fail(RankFailure(f"step {plan.step_id} got no answer within {timeout_s:.0f} s"))
+            self.fail(RankFailure(f"step {step_id} got no answer within {timeout_s:.0f} s"))
             raise self.failure from None
         finally:
-            self._pending.pop(plan.step_id, None)
+            self._pending.pop(step_id, None)
+
+    def abandon(self, step_id: int, fut: asyncio.Future) -> None:
+        """Forget a submitted step whose result will not be awaited (the loop stopped)."""
+        self._pending.pop(step_id, None)
+        if not fut.done():
+            fut.cancel()
+        elif not fut.cancelled():
+            fut.exception()  # retrieved, so asyncio does not log it as lost
+
+    def _check_sent(self, sent: asyncio.Future) -> None:
+        if not sent.cancelled() and sent.exception() is not None:
+            self.fail(RankFailure(f"cannot send to a rank: {sent.exception()}"))
 
     def silent_ranks(self, silence_s: float) -> list[int]:
         """Ranks heard from before but not for silence_s. Ranks heartbeat every second from a

@@ -29,7 +29,7 @@ from runtime.layers import TPGroup
 from runtime.model import build_model
 from runtime.package import Package, open_package
 from runtime.runner import ReferenceRunner, SeqInput
-from runtime.sampling import SamplingParams, sample
+from runtime.sampling import Sampled, SamplingParams, sample
 from runtime.signing import load_public_key
 
 log = logging.getLogger("orbit.rank")
@@ -39,6 +39,7 @@ log = logging.getLogger("orbit.rank")
 class SeqState:
     sampling: SamplingParams
     pages: list[int] = field(default_factory=list)
+    last_token: int | None = None  # this rank's latest sample for it: what follows_sample feeds
 
 
 class Rank:
@@ -213,15 +214,14 @@ class Rank:
         for s in plan.seqs:
             state = self.seqs[s.seq_id]
             state.pages.extend(s.new_pages)
-            inputs.append(SeqInput(list(s.token_ids), s.start_pos, state.pages, s.sample))
+            token_ids = _input_tokens(s, state)
+            inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample))
             if s.sample:
-                sampling.append((s.seq_id, state.sampling, s.start_pos + len(s.token_ids)))
+                sampling.append((s.seq_id, state, s.start_pos + len(token_ids)))
         logits = self.runner.step(inputs) if inputs else None
+        drawn = self._sample(logits, sampling)
         result = wire_pb2.StepResult(step_id=plan.step_id, rank=self.cfg.rank)
-        if self.cfg.rank == 0 and sampling:
-            drawn = self.sample(
-                logits, [p for _, p, _ in sampling], [pos for _, _, pos in sampling]
-            )
+        if self.cfg.rank == 0:
             for (seq_id, _, _), d in zip(sampling, drawn):
                 result.samples.append(
                     wire_pb2.Sample(
@@ -236,12 +236,38 @@ class Rank:
         result.execute_s = time.perf_counter() - t0
         return result
 
+    def _sample(self, logits, sampling: list[tuple[int, SeqState, int]]) -> list[Sampled]:
+        """Every rank draws every sampling row and remembers the token, for the steps that
+        follow it (follows_sample): all ranks hold the same logits (the LM head is
+        all-gathered) and draws are seeded per (seed, position), so all draw alike. Only rank
+        0 reports its draws, so only rank 0 computes logprobs."""
+        if not sampling:
+            return []
+        params = [state.sampling for _, state, _ in sampling]
+        if self.cfg.rank != 0:
+            params = [dataclasses.replace(p, num_logprobs=-1) for p in params]
+        drawn = self.sample(logits, params, [pos for _, _, pos in sampling])
+        for (_, state, _), d in zip(sampling, drawn):
+            state.last_token = d.token_id
+        return drawn
+
     def close(self) -> None:
         self.closing.set()
         if dist.is_initialized():
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:
+    if not s.follows_sample:
+        return list(s.token_ids)
+    if state.last_token is None:
+        raise ValueError(
+            f"step plan: sequence {s.seq_id} follows a sample, but this rank has sampled none "
+            "for it since it was added: the frontend and the rank disagree"
+        )
+    return [state.last_token]
 
 
 def main(cfg: RankConfig) -> int:

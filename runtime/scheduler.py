@@ -11,6 +11,18 @@ How a step is built:
    a chunk no longer than what is left. A prompt is admitted only when its chunk's pages are
    free, so prefill never preempts decodes.
 3. A sequence samples when its chunk reaches the end of its known tokens.
+
+Planning ahead: the engine sends the next step before the previous one's samples are applied,
+so the ranks never wait for the frontend. A chunk counts as computed once it is scheduled
+(`num_computed`), and a token that a step in flight will sample counts in `pending`. A sequence
+whose only uncomputed token is a pending one decodes with `follows_sample`: each rank feeds it
+the token it sampled itself (all ranks sample alike). A sequence that its pending token will
+end by length is not planned ahead; one that ends by EOS has its next row in the step already
+in flight, whose sample is then discarded (one wasted row). A result for a sequence's earlier
+incarnation (before a preemption) is ignored: its tokens are recomputed and, sampling being
+seeded by position, drawn again the same. Pages freed by apply() may be given to another
+sequence in the next step while a step in flight still writes them: safe, because every rank
+executes the plans in the order they were sent.
 """
 
 from __future__ import annotations
@@ -38,7 +50,8 @@ class Sequence:
     stop_token_ids: frozenset[int] = frozenset()
     output_ids: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
-    num_computed: int = 0  # tokens whose KV is in the cache
+    num_computed: int = 0  # tokens whose KV is in the cache or computed by a step in flight
+    pending: int = 0  # tokens that steps in flight sample, not yet applied (output_ids lacks them)
     on_rank: bool = False  # the ranks hold its state (page table, sampling)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop", "length" or "abort"
@@ -74,9 +87,14 @@ class SeqChunk:
     new_pages: list[int]
     sample: bool
     is_new: bool  # the ranks have no state for it yet
+    # Its one input token is a pending one: each rank feeds the token it sampled itself.
+    follows_sample: bool = False
+    incarnation: int = 0  # seq.num_preemptions when scheduled; apply() ignores older ones
 
     @property
     def token_ids(self) -> list[int]:
+        if self.follows_sample:
+            return []
         return [self.seq.token(i) for i in range(self.start_pos, self.start_pos + self.num_tokens)]
 
 
@@ -153,7 +171,9 @@ class Scheduler:
         for seq in self._prefill_candidates():
             if budget <= 0 or len(chunks) >= self.config.max_batch:
                 break
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            if seq.status is Status.WAITING and len(self.running) >= self.config.max_batch:
+                break  # running sequences that are not planned ahead still hold their slot
+            n = min(self._uncomputed(seq), budget)
             if not self._reserve(seq, seq.num_computed + n, preempt=False):
                 break  # keep arrival order: no younger prompt jumps a waiting one
             if seq.status is Status.WAITING:
@@ -168,20 +188,38 @@ class Scheduler:
         return Step(next(self._steps), released, chunks)
 
     def _decoding(self) -> list[Sequence]:
-        return [s for s in self.running if s.num_tokens - s.num_computed == 1 and s.num_computed]
+        return [
+            s
+            for s in self.running
+            if s.num_computed and self._uncomputed(s) == 1 and not self._ends_when_applied(s)
+        ]
 
     def _prefill_candidates(self) -> list[Sequence]:
-        partial = [
-            s for s in self.running if s.num_tokens - s.num_computed > 1 or not s.num_computed
-        ]
+        partial = [s for s in self.running if self._uncomputed(s) > 1 or not s.num_computed]
         return partial + list(self.waiting)
+
+    @staticmethod
+    def _uncomputed(seq: Sequence) -> int:
+        return seq.num_tokens + seq.pending - seq.num_computed
+
+    def _ends_when_applied(self, seq: Sequence) -> bool:
+        """Whether the tokens that steps in flight sample end seq by length, so that planning
+        its next token would only waste a row."""
+        return (
+            len(seq.output_ids) + seq.pending >= seq.max_tokens
+            or seq.num_tokens + seq.pending >= self.config.max_seq_len
+        )
 
     def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
         first = not seq.on_rank
         new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
         seq.on_rank = True
-        sample = seq.num_computed + n == seq.num_tokens
-        return SeqChunk(seq, seq.num_computed, n, new_pages, sample, first)
+        start, seq.num_computed = seq.num_computed, seq.num_computed + n
+        follows = start >= seq.num_tokens  # its token is sampled by a step not yet applied
+        sample = seq.num_computed == seq.num_tokens + seq.pending
+        if sample:
+            seq.pending += 1
+        return SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
 
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
         """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
@@ -201,7 +239,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._free(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.pending = 0  # the samples in flight are dropped by apply()
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -223,16 +261,15 @@ class Scheduler:
 
     # ---- results ------------------------------------------------------------------------
     def apply(self, step: Step, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a step's outcome (seq_id -> sampled token). Returns the sequences that got a
-        token, with finish_reason set on those that are done."""
+        """Record a step's outcome (seq_id -> sampled token); steps are applied in the order
+        they were scheduled. Returns the sequences that got a token, with finish_reason set on
+        those that are done."""
         updated = []
-        for c in step.chunks:
+        for c in step.sampling_chunks:
             seq = c.seq
-            if seq.status is not Status.RUNNING:
-                continue  # aborted or preempted while the step ran
-            seq.num_computed = c.start_pos + c.num_tokens
-            if not c.sample:
-                continue
+            if seq.status is not Status.RUNNING or c.incarnation != seq.num_preemptions:
+                continue  # finished, aborted or preempted since the step was planned
+            seq.pending -= 1
             token = sampled[seq.seq_id]
             seq.output_ids.append(token)
             updated.append(seq)

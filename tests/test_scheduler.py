@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
@@ -26,18 +27,24 @@ def _seq(seq_id: int, prompt_len: int, max_tokens: int, stop=frozenset()) -> Seq
 
 
 class RankModel:
-    """What the ranks hold: page tables built only from the plans' deltas, and every token
-    whose KV was computed. Checks that plans are consistent and complete."""
+    """What the ranks hold: page tables built only from the plans' deltas, every token whose KV
+    was computed, and the last token sampled per sequence (what follows_sample feeds). Checks
+    that plans are consistent and complete. Steps run when they are sent, as ranks run them."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.pages: dict[int, list[int]] = {}
         self.kv: dict[int, list[int]] = {}  # tokens computed, per sequence
+        self.last_token: dict[int, int] = {}
 
-    def run(self, step) -> None:
+    def run(self, step, next_token=lambda seq, pos: 0) -> dict[int, int]:
+        """Execute a step; next_token(seq, position) is the token the model draws there.
+        Returns what rank 0 would report: seq_id -> sampled token."""
         for seq_id in step.released:
             self.pages.pop(seq_id, None)
             self.kv.pop(seq_id, None)
+            self.last_token.pop(seq_id, None)
+        sampled = {}
         for c in step.chunks:
             sid = c.seq.seq_id
             if c.is_new:
@@ -45,26 +52,44 @@ class RankModel:
                 self.pages[sid], self.kv[sid] = [], []
             self.pages[sid].extend(c.new_pages)
             assert c.start_pos == len(self.kv[sid]), "a chunk must continue where the cache ends"
-            self.kv[sid].extend(c.token_ids)
+            self.kv[sid].extend(self._inputs(c))
             needed = -(-len(self.kv[sid]) // self.page_size)
             assert len(self.pages[sid]) >= needed, "tokens written past the page table"
+            if c.sample:
+                sampled[sid] = self.last_token[sid] = next_token(c.seq, len(self.kv[sid]))
         used = [p for pages in self.pages.values() for p in pages]
         assert len(used) == len(set(used)), "a page is held by two sequences"
+        return sampled
+
+    def _inputs(self, c) -> list[int]:
+        if not c.follows_sample:
+            return c.token_ids
+        assert c.token_ids == [] and c.num_tokens == 1
+        return [self.last_token[c.seq.seq_id]]
+
+    def check_tokens(self, sched: Scheduler) -> None:
+        """The KV of every running sequence holds its tokens as the scheduler knows them."""
+        for seq in sched.running:
+            kv = self.kv[seq.seq_id][: seq.num_tokens]
+            assert kv == [seq.token(i) for i in range(len(kv))]
 
 
-def _drive(sched: Scheduler, rank: RankModel, next_token, max_steps: int = 10_000):
-    finished, steps = {}, 0
-    while sched.has_work and steps < max_steps:
-        step = sched.schedule()
-        assert step is not None
-        assert len(step.chunks) <= sched.config.max_batch
-        assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens
-        rank.run(step)
-        sampled = {c.seq.seq_id: next_token(c.seq) for c in step.sampling_chunks}
-        for seq in sched.apply(step, sampled):
+def _drive(sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_steps=10_000):
+    """Run to completion with up to `depth` steps in flight, as the engine does."""
+    finished, steps, in_flight = {}, 0, deque()
+    while (sched.has_work or in_flight) and steps < max_steps:
+        step = sched.schedule() if len(in_flight) < depth else None
+        if step is not None:
+            assert len(step.chunks) <= sched.config.max_batch
+            assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens
+            in_flight.append((step, rank.run(step, next_token)))
+            steps += 1
+            continue
+        assert in_flight, "work left but nothing to schedule"
+        for seq in sched.apply(*in_flight.popleft()):
             if seq.finish_reason:
                 finished[seq.seq_id] = seq
-        steps += 1
+        rank.check_tokens(sched)
     return finished, steps
 
 
@@ -92,33 +117,50 @@ def test_decodes_are_not_stalled_by_a_long_prompt():
         sched.apply(step, {1: 7, **({2: 9} if ids[2].sample else {})})
 
 
-def test_every_request_finishes_with_its_exact_tokens_under_pressure():
+def _seeded(seq: Sequence, position: int) -> int:
+    """The token drawn at `position`, a function of the request and position as seeded
+    sampling is (so a recomputed sequence draws the same tokens)."""
+    return (sum(seq.prompt_ids) + 31 * position) % 997
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_every_request_finishes_with_its_exact_tokens_under_pressure(depth):
     rng = random.Random(0)
     sched = Scheduler(_config(num_pages=24))
     rank = RankModel(4)
     seqs = [_seq(i, rng.randint(1, 40), rng.randint(1, 30)) for i in range(1, 21)]
     for s in seqs:
         sched.add(s)
-    # The next token is a function of the sequence's tokens so far, as a real model's would be.
-    finished, _ = _drive(sched, rank, lambda s: (sum(s.prompt_ids) + 31 * len(s.output_ids)) % 997)
+    finished, _ = _drive(sched, rank, _seeded, depth)
     assert sorted(finished) == [s.seq_id for s in seqs]
     for s in seqs:
         assert s.finish_reason == "length" and len(s.output_ids) == s.max_tokens
-        assert s.output_ids == [(sum(s.prompt_ids) + 31 * i) % 997 for i in range(s.max_tokens)]
+        n = len(s.prompt_ids)
+        assert s.output_ids == [_seeded(s, n + i) for i in range(s.max_tokens)]
     assert sched.num_preemptions > 0
     assert sched.pages_in_use == 0 and not sched.running
 
 
-def test_stop_token_finishes_and_frees():
+@pytest.mark.parametrize("depth", [1, 2])
+def test_stop_token_finishes_and_frees(depth):
     sched = Scheduler(_config())
     seq = _seq(1, 5, 100, stop={2})
     sched.add(seq)
-    tokens = iter([5, 6, 2, 9])
-    finished, _ = _drive(sched, RankModel(4), lambda s: next(tokens))
+    tokens, drawn, rank = iter([5, 6, 2, 9]), [], RankModel(4)
+
+    def draw(seq, position):
+        drawn.append(next(tokens))
+        return drawn[-1]
+
+    finished, _ = _drive(sched, rank, draw, depth)
     assert finished[1].finish_reason == "stop" and seq.output_ids == [5, 6, 2]
+    assert drawn == [5, 6, 2, 9][: 2 + depth]  # one step ahead: one wasted row, its 9 dropped
     assert sched.pages_in_use == 0
-    step = sched.schedule()
-    assert step.released == [1] and not step.chunks
+    if depth == 1:
+        step = sched.schedule()
+        assert step.released == [1] and not step.chunks
+        rank.run(step)
+    assert sched.schedule() is None and not rank.pages  # (with a step ahead, sent in the loop)
 
 
 def test_abort_releases_pages_at_next_step():
@@ -149,3 +191,126 @@ def test_requests_that_can_never_fit_are_refused():
         sched.add(_seq(1, 60, 10))
     with pytest.raises(CapacityError, match="needs 10 KV pages; the pool has 8"):
         sched.add(_seq(2, 30, 10))
+
+
+# ---- planning one step ahead: the next step is scheduled before the last one is applied ----
+def _shape(step) -> list[tuple]:
+    return [
+        (c.seq.seq_id, c.start_pos, c.num_tokens, c.token_ids, c.sample, c.follows_sample)
+        for c in step.chunks
+    ]
+
+
+def test_decode_ahead_follows_the_sample_in_flight():
+    sched = Scheduler(_config())
+    seq = _seq(1, 5, 10)
+    sched.add(seq)
+    first = sched.schedule()
+    assert _shape(first) == [(1, 0, 5, list(range(100, 105)), True, False)]
+    ahead = sched.schedule()  # before the first step's sample is known
+    assert _shape(ahead) == [(1, 5, 1, [], True, True)]
+    assert seq.pending == 2 and seq.num_computed == 6
+    sched.apply(first, {1: 7})
+    third = sched.schedule()
+    assert _shape(third) == [(1, 6, 1, [], True, True)]
+    sched.apply(ahead, {1: 8})
+    sched.apply(third, {1: 9})
+    assert seq.output_ids == [7, 8, 9] and seq.pending == 0
+    assert _shape(sched.schedule()) == [(1, 7, 1, [9], True, False)]  # nothing in flight
+
+
+def test_no_step_ahead_for_a_sequence_that_its_pending_token_ends():
+    sched = Scheduler(_config())
+    one, two = _seq(1, 5, 1), _seq(2, 5, 2)
+    sched.add(one)
+    sched.add(two)
+    first = sched.schedule()
+    ahead = sched.schedule()
+    assert [c.seq.seq_id for c in ahead.chunks] == [2]  # seq 1's pending token is its last
+    sched.apply(first, {1: 7, 2: 7})
+    assert one.finish_reason == "length"
+    step = sched.schedule()
+    assert step.released == [1] and not step.chunks  # seq 2 too is done once `ahead` applies
+    sched.apply(step, {})
+    sched.apply(ahead, {2: 8})
+    assert two.finish_reason == "length" and two.output_ids == [7, 8]
+
+
+def test_eos_while_the_next_step_is_in_flight_wastes_one_row():
+    sched = Scheduler(_config(num_pages=3, page_size=4))
+    rank = RankModel(4)
+    a, b = _seq(1, 4, 4, stop={2}), _seq(2, 9, 3)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    assert [c.seq.seq_id for c in first.chunks] == [1]  # b waits for pages
+    first_sampled = rank.run(first, lambda s, pos: 2)  # EOS
+    ahead = sched.schedule()
+    assert _shape(ahead) == [(1, 4, 1, [], True, True)]  # a's EOS is not known yet
+    ahead_sampled = rank.run(ahead, lambda s, pos: 5)
+    assert sched.apply(first, first_sampled) == [a]
+    assert a.finish_reason == "stop" and a.output_ids == [2] and sched.pages_in_use == 0
+    nxt = sched.schedule()  # a's pages go to b while `ahead` still writes them: ranks run in order
+    assert nxt.released == [1] and [c.seq.seq_id for c in nxt.chunks] == [2]
+    assert sorted(nxt.chunks[0].new_pages) == [0, 1, 2]
+    rank.run(nxt)
+    assert sched.apply(ahead, ahead_sampled) == []  # the wasted row's sample is dropped
+    assert a.output_ids == [2]
+
+
+def test_preemption_while_a_step_is_in_flight_discards_its_stale_sample():
+    # Three pages of four tokens: a and b fill two; a's decode at position 4 takes the third,
+    # b's then preempts b itself, which is re-admitted in the same step with a fresh prefill.
+    sched = Scheduler(_config(num_pages=3, page_size=4))
+    rank = RankModel(4)
+    a, b = _seq(1, 4, 3), _seq(2, 4, 3)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    first_sampled = rank.run(first, _seeded)
+    ahead = sched.schedule()
+    assert b.num_preemptions == 1 and sched.num_preemptions == 1
+    assert ahead.released == [2]
+    assert _shape(ahead) == [
+        (1, 4, 1, [], True, True),
+        (2, 0, 4, list(range(100, 104)), True, False),
+    ]
+    assert ahead.chunks[1].is_new
+    ahead_sampled = rank.run(ahead, _seeded)
+    assert sched.apply(first, first_sampled) == [a]  # b's sample is from before its preemption
+    assert b.output_ids == [] and b.pending == 1
+    assert sched.apply(ahead, ahead_sampled) == [a, b]
+    assert b.output_ids == [_seeded(b, 4)]  # the same token, drawn again at the same position
+    finished, _ = _drive(sched, rank, _seeded, depth=2)
+    assert sorted(finished) == [1, 2]
+    assert a.output_ids == b.output_ids == [_seeded(a, p) for p in (4, 5, 6)]
+
+
+def test_abort_while_in_flight_drops_the_results():
+    sched = Scheduler(_config())
+    a, b = _seq(1, 4, 10), _seq(2, 4, 10)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()
+    ahead = sched.schedule()
+    sched.abort(a)
+    assert sched.pages_in_use == len(b.pages)
+    assert sched.apply(first, {1: 7, 2: 8}) == [b]
+    step = sched.schedule()
+    assert step.released == [1] and [c.seq.seq_id for c in step.chunks] == [2]
+    assert sched.apply(ahead, {1: 7, 2: 9}) == [b]
+    assert a.output_ids == [] and a.finish_reason == "abort"
+    assert b.output_ids == [8, 9]
+
+
+def test_a_sequence_not_planned_ahead_still_holds_its_batch_slot():
+    sched = Scheduler(_config(max_batch=2))
+    done, going, waiting = _seq(1, 4, 1), _seq(2, 4, 5), _seq(3, 4, 5)
+    for s in (done, going, waiting):
+        sched.add(s)
+    first = sched.schedule()
+    ahead = sched.schedule()  # seq 1 ends with its pending token; seq 3 must still wait
+    assert [c.seq.seq_id for c in ahead.chunks] == [2] and waiting.status is Status.WAITING
+    sched.apply(first, {1: 7, 2: 7})
+    step = sched.schedule()
+    assert step.released == [1] and [c.seq.seq_id for c in step.chunks] == [2, 3]

@@ -4,6 +4,7 @@ client, and transformers as the reference."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 
@@ -12,6 +13,9 @@ import openai
 import pytest
 import torch
 
+from benchmarks.step_overhead import engine_config, local_ranks, running_engine
+from orbit.engine import SamplingParams
+from runtime.package import open_package
 from tests.server import ServerProcess, alive
 
 GREEDY = dict(temperature=0, max_tokens=24)
@@ -179,6 +183,55 @@ def test_concurrent_requests_equal_their_single_outputs(tiny_tp2_server):
         return [o.choices[0].text for o in outs]
 
     assert asyncio.run(all_at_once()) == alone
+
+
+async def _engine_tokens(engine, prompt_ids, params) -> list[tuple[int, str | None]]:
+    return [(e.token_id, e.finish_reason) async for e in engine.generate("t", prompt_ids, params)]
+
+
+def test_a_step_ahead_gives_every_request_its_single_request_tokens(
+    tiny_checkpoints, package_cache
+):
+    """TP 2 through the engine: greedy and seeded sampling, all at once with the next step sent
+    ahead (ranks feeding their own samples), under KV pressure (preemptions while steps are in
+    flight) and with an EOS that is hit mid-stream (wasted rows), give each request exactly the
+    tokens it gets alone, one step at a time."""
+    pkg = open_package(
+        package_cache(
+            tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4, max_step_tokens=32
+        )
+    )
+    prompts = [[(300 + 17 * i + 101 * j) % 4000 for j in range(5 + 7 * i)] for i in range(8)]
+    params = [
+        SamplingParams(max_tokens=30 + i, temperature=0.8 * (i % 2), seed=i, logprobs=i % 3 - 1)
+        for i in range(8)
+    ]
+
+    async def both_ways():
+        # 24 pages of 4 tokens hold any one request, not all eight at once.
+        async with local_ranks(pkg, "cpu", kv_pages=24) as link:
+            # EOS: tokens that requests 0 and 1 draw mid-stream, so both stop early.
+            async with running_engine(engine_config(pkg, overlap=False), link) as engine:
+                probes = [await _engine_tokens(engine, prompts[i], params[i]) for i in (0, 1)]
+                config = dataclasses.replace(
+                    engine_config(pkg, overlap=False),
+                    eos_token_ids=(probes[0][8][0], probes[1][12][0]),
+                )
+            async with running_engine(config, link) as engine:
+                alone = [await _engine_tokens(engine, *r) for r in zip(prompts, params)]
+            config = dataclasses.replace(config, overlap=True)
+            async with running_engine(config, link) as engine:
+                together = await asyncio.gather(
+                    *(_engine_tokens(engine, *r) for r in zip(prompts, params))
+                )
+                preemptions = engine.scheduler.num_preemptions
+        return alone, together, preemptions
+
+    alone, together, preemptions = asyncio.run(both_ways())
+    assert together == alone
+    assert preemptions > 0
+    finish = [t[-1][1] for t in alone]
+    assert finish.count("stop") >= 2 and "length" in finish
 
 
 def test_kv_exhaustion_preempts_and_loses_nothing(tiny_checkpoints, package_cache):

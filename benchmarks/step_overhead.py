@@ -1,0 +1,153 @@
+"""What the frontend costs between steps: one request at batch 1 through the Engine (no HTTP),
+first one step at a time, then with the next step sent ahead (EngineConfig.overlap).
+
+    python3 -m benchmarks.step_overhead --package PKG --device cuda [--prompt-tokens 512]
+        [--new-tokens 256] [--tp 1] [--out DIR]
+
+The ranks are started on this machine as `orbit serve` starts them. For each mode it prints
+the median interval between consecutive tokens as the frontend receives them and the median
+time rank 0 spent executing a step (StepResult.execute_s); their difference is what a token
+waits for besides the model: with one step at a time, the frontend's receive, apply, schedule
+and send plus two socket hops; one step ahead, only the rank's own receive and send. With
+--out, one JSON line per run is appended to DIR/step_overhead.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from orbit.engine import Engine, EngineConfig, SamplingParams
+from orbit.local_ranks import LocalRankOptions, LocalRanks
+from orbit.rank_link import RankLink
+from runtime.package import Package, open_package
+
+READY_TIMEOUT_S = 600.0
+
+
+@contextlib.asynccontextmanager
+async def local_ranks(pkg: Package, device: str, kv_pages: int) -> AsyncIterator[RankLink]:
+    """The package's ranks as child processes, connected and ready; stopped on exit."""
+    link = RankLink(pkg.tp_size)
+    link.start()
+    log_dir = Path(tempfile.mkdtemp(prefix="orbit-step-overhead-"))
+    opts = LocalRankOptions(device=device, kv_pages=kv_pages)
+    ranks = LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts)
+    ranks.start()
+    try:
+        await link.wait_ready(READY_TIMEOUT_S)
+        yield link
+    finally:
+        await link.shutdown("benchmark done")
+        await asyncio.to_thread(ranks.stop)
+        link.close()
+
+
+def engine_config(pkg: Package, overlap: bool) -> EngineConfig:
+    caps = pkg.capacities
+    return EngineConfig(
+        model_name="bench",
+        max_seq_len=caps.max_seq_len,
+        max_batch=caps.max_batch,
+        page_size=caps.kv_page_size,
+        max_step_tokens=caps.max_step_tokens,
+        eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
+        overlap=overlap,
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[Engine]:
+    """An engine over ranks that are already ready, its step loop running until exit. Each
+    engine numbers its sequences and steps from 1, so one engine at a time per link, and on
+    exit the loop stops only once every step it sent has answered."""
+    engine = Engine(config, link, tokenizer=None)
+    await engine.start(READY_TIMEOUT_S)
+    loop = asyncio.create_task(engine.run())
+    try:
+        yield engine
+    finally:
+        while link.steps_in_flight and not loop.done():
+            await asyncio.sleep(0.001)
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+
+
+async def token_times(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> list:
+    """perf_counter() at each token's arrival."""
+    times = []
+    async for _ in engine.generate("bench", prompt_ids, params):
+        times.append(time.perf_counter())
+    return times
+
+
+async def measure(engine: Engine, prompt_ids: list[int], new_tokens: int) -> dict:
+    await token_times(engine, prompt_ids, SamplingParams(max_tokens=4, temperature=0))  # warm
+    engine.recent_execute_s.clear()
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    times = await token_times(engine, prompt_ids, params)
+    intervals = [b - a for a, b in zip(times, times[1:])]
+    itl_ms = statistics.median(intervals) * 1e3
+    execute_ms = statistics.median(engine.recent_execute_s) * 1e3
+    return {
+        "median_token_interval_ms": round(itl_ms, 4),
+        "median_rank_execute_ms": round(execute_ms, 4),
+        "median_other_ms": round(itl_ms - execute_ms, 4),
+        "tokens_per_s": round(1e3 / itl_ms, 2),
+        "steps": len(engine.recent_execute_s),
+    }
+
+
+def prompt(pkg: Package, num_tokens: int) -> list[int]:
+    """Deterministic ids spread over the vocabulary (the model's output does not matter)."""
+    vocab = pkg.spec.vocab_size
+    return [(1000 + 7919 * i) % vocab for i in range(num_tokens)]
+
+
+async def run(args) -> dict:
+    pkg = open_package(args.package)
+    caps = pkg.capacities
+    if pkg.tp_size != args.tp:
+        raise SystemExit(f"the package is for TP {pkg.tp_size}, not --tp {args.tp}")
+    total = args.prompt_tokens + args.new_tokens
+    if total > caps.max_seq_len:
+        raise SystemExit(f"prompt + new tokens ({total}) exceed max_seq_len {caps.max_seq_len}")
+    kv_pages = 2 * -(-total // caps.kv_page_size) + 8  # room for the run and its warm-up
+    prompt_ids = prompt(pkg, args.prompt_tokens)
+    report = {"args": {k: str(v) for k, v in vars(args).items()}}
+    async with local_ranks(pkg, args.device, kv_pages) as link:
+        for overlap in (False, True):
+            mode = "overlap" if overlap else "one_at_a_time"
+            async with running_engine(engine_config(pkg, overlap), link) as engine:
+                report[mode] = await measure(engine, prompt_ids, args.new_tokens)
+            print(mode, json.dumps(report[mode]), flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--package", required=True, type=Path)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--out", type=Path, help="append a JSON line to DIR/step_overhead.jsonl")
+    args = p.parse_args(argv)
+    report = asyncio.run(run(args))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "step_overhead.jsonl", "a") as f:
+            f.write(json.dumps(report) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
