@@ -8,8 +8,9 @@ baseline, then Orbit's shard tensors, shaped by runtime/layout.py as a package's
 is, drawn at random in GPU memory (writing and hashing 16 GB of safetensors would only add
 minutes; Package.load_shard(rank, "cuda") is the loading path a rank uses). The rank-level
 runner (runtime/cuda_runner.py) is driven as a rank drives it: SeqInput steps, greedy argmax
-fed back each step. `--serve` is reserved for driving `orbit serve` over HTTP once the
-frontend exists; until then the benchmark measures the rank alone.
+fed back each step: this measures one rank alone. What the frontend adds (scheduler, ZeroMQ,
+the rank's own staging) is measured through the engine by benchmarks/step_overhead.py, on the
+same model written as a package by benchmarks/random_package.py.
 
 Rooflines: a decode step must read every weight once (all but the embedding table, of which
 it reads one row per sequence) plus each sequence's KV, and write the float32 logits; over the
@@ -65,7 +66,6 @@ def parse_args(argv):
     p.add_argument("--hf-tokens", type=int, default=32, help="generate() tokens timed")
     p.add_argument("--kv-fraction", type=float, default=0.9)
     p.add_argument("--profile", action="store_true", help="write per-kernel times")
-    p.add_argument("--serve", action="store_true", help="through orbit serve (not yet)")
     return p.parse_args(argv)
 
 
@@ -305,13 +305,6 @@ def print_table(result: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.serve:
-        print(
-            "--serve needs the frontend (orbit serve), which is not ready; this benchmark "
-            "measures one rank for now.",
-            file=sys.stderr,
-        )
-        return 2
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

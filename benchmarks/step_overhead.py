@@ -5,11 +5,13 @@ first one step at a time, then with the next step sent ahead (EngineConfig.overl
         [--new-tokens 256] [--tp 1] [--out DIR]
 
 The ranks are started on this machine as `orbit serve` starts them. For each mode it prints
-the median interval between consecutive tokens as the frontend receives them and the median
-time rank 0 spent executing a step (StepResult.execute_s); their difference is what a token
-waits for besides the model: with one step at a time, the frontend's receive, apply, schedule
-and send plus two socket hops; one step ahead, only the rank's own receive and send. With
---out, one JSON line per run is appended to DIR/step_overhead.jsonl.
+the median interval between consecutive tokens as the frontend receives them, the median time
+rank 0 spent on a step (StepResult.execute_s, which one step ahead includes the wait behind
+the step before), and on CUDA the median GPU time of a step (StepResult.gpu_s, CUDA events
+around its work) and the host overhead: 1 - GPU time / token interval, the share of each
+token's time in which the GPU had nothing of this request's to do (scheduler, ZeroMQ round
+trip, input staging and copies, sampling read-back). With --out, one JSON line per run is
+appended to DIR/step_overhead.jsonl.
 """
 
 from __future__ import annotations
@@ -91,19 +93,25 @@ async def token_times(engine: Engine, prompt_ids: list[int], params: SamplingPar
 
 async def measure(engine: Engine, prompt_ids: list[int], new_tokens: int) -> dict:
     await token_times(engine, prompt_ids, SamplingParams(max_tokens=4, temperature=0))  # warm
-    engine.recent_execute_s.clear()
+    engine.recent_timings.clear()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     times = await token_times(engine, prompt_ids, params)
     intervals = [b - a for a, b in zip(times, times[1:])]
     itl_ms = statistics.median(intervals) * 1e3
-    execute_ms = statistics.median(engine.recent_execute_s) * 1e3
-    return {
+    decode = list(engine.recent_timings)[1:]  # the first step is the prompt's prefill
+    execute_ms = statistics.median(t[0] for t in decode) * 1e3
+    gpu_ms = statistics.median(t[1] for t in decode) * 1e3
+    out = {
         "median_token_interval_ms": round(itl_ms, 4),
         "median_rank_execute_ms": round(execute_ms, 4),
         "median_other_ms": round(itl_ms - execute_ms, 4),
         "tokens_per_s": round(1e3 / itl_ms, 2),
-        "steps": len(engine.recent_execute_s),
+        "steps": len(engine.recent_timings),
     }
+    if gpu_ms > 0:  # CUDA: the share of each token's interval the GPU did not work
+        out["median_step_gpu_ms"] = round(gpu_ms, 4)
+        out["host_overhead_frac"] = round(1 - gpu_ms / itl_ms, 4)
+    return out
 
 
 def prompt(pkg: Package, num_tokens: int) -> list[int]:
@@ -120,7 +128,9 @@ async def run(args) -> dict:
     total = args.prompt_tokens + args.new_tokens
     if total > caps.max_seq_len:
         raise SystemExit(f"prompt + new tokens ({total}) exceed max_seq_len {caps.max_seq_len}")
-    kv_pages = 2 * -(-total // caps.kv_page_size) + 8  # room for the run and its warm-up
+    # Room for the run and its warm-up, and at least one max_seq_len sequence (what a rank
+    # insists on).
+    kv_pages = max(2 * -(-total // caps.kv_page_size) + 8, caps.max_pages_per_seq)
     prompt_ids = prompt(pkg, args.prompt_tokens)
     report = {"args": {k: str(v) for k, v in vars(args).items()}}
     async with local_ranks(pkg, args.device, kv_pages) as link:

@@ -100,8 +100,8 @@ class Engine:
         self.steps = 0
         self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
         self._last_result_at = 0.0
-        # Rank 0's execute_s of the latest steps, for benchmarks.
-        self.recent_execute_s: deque[float] = deque(maxlen=4096)
+        # Rank 0's (execute_s, gpu_s) of the latest steps, for benchmarks.
+        self.recent_timings: deque[tuple[float, float]] = deque(maxlen=4096)
 
     # ---- the interface the HTTP layer uses ---------------------------------------------------
     @property
@@ -286,7 +286,7 @@ class Engine:
         self.step_seconds += now - max(sent_at, self._last_result_at)
         self._last_result_at = now
         self.steps += 1
-        self.recent_execute_s.append(result.execute_s)
+        self.recent_timings.append((result.execute_s, result.gpu_s))
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:

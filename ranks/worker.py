@@ -11,7 +11,6 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
@@ -24,22 +23,16 @@ from proto import wire_pb2
 from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig
 from ranks.startup import Phases, Watchdog
+from ranks.steps import Launched, StepExecutor
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.layers import TPGroup
 from runtime.model import build_model
 from runtime.package import Package, open_package
-from runtime.runner import ReferenceRunner, SeqInput
-from runtime.sampling import Sampled, SamplingParams, sample
+from runtime.runner import ReferenceRunner
+from runtime.sampling import sample
 from runtime.signing import load_public_key
 
 log = logging.getLogger("orbit.rank")
-
-
-@dataclass
-class SeqState:
-    sampling: SamplingParams
-    pages: list[int] = field(default_factory=list)
-    last_token: int | None = None  # this rank's latest sample for it: what follows_sample feeds
 
 
 class Rank:
@@ -53,13 +46,12 @@ class Rank:
         if cfg.curve_dir:
             secure_client(self.sock, ClientKeys.load(Path(cfg.curve_dir)))
         self.sock.connect(cfg.frontend)
-        self.seqs: dict[int, SeqState] = {}
+        self.steps: StepExecutor | None = None
         self.last_step = 0
         self.parent_pid = os.getppid()
         self.hello: wire_pb2.Hello | None = None
         self.ready: wire_pb2.Ready | None = None
         self.closing = threading.Event()
-        self.sample = sample  # the CUDA path swaps in runtime.cuda_sampling.sample
         self.phases = Phases(cfg.rank, lambda msg: self.sock.send(msg.SerializeToString()))
         self.watchdog = Watchdog(
             self.ctx, cfg.frontend, cfg.curve_dir, cfg.rank, cfg.join_timeout_s
@@ -93,7 +85,8 @@ class Rank:
         phases.enter(wire_pb2.PHASE_JOIN_GROUP)
         with self.watchdog.watch(wire_pb2.PHASE_JOIN_GROUP):
             group = self._join_group()
-        self.runner, num_pages = self._load(pkg, group)
+        runner, num_pages = self._load(pkg, group)
+        self.steps = self._executor(runner, pkg.capacities.max_batch)
         phases.enter(wire_pb2.PHASE_COLLECTIVES_CHECK)
         with self.watchdog.watch(wire_pb2.PHASE_COLLECTIVES_CHECK):
             check = self._check_collectives(pkg)
@@ -141,14 +134,26 @@ class Rank:
 
     def _cuda_runner(self, model, caps):
         # runtime.cuda_runner.build_cuda_runner's steps, split so each phase is reported.
-        from runtime import cuda_sampling
         from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
 
-        self.sample = cuda_sampling.sample
         runner = CudaGraphRunner(model, caps, CudaRunnerOptions(max_kv_pages=self.cfg.kv_pages))
         self.phases.enter(wire_pb2.PHASE_GRAPH_CAPTURE)
         runner.capture()
         return runner, runner.kv_plan.num_pages
+
+    def _executor(self, runner, max_batch: int) -> StepExecutor:
+        if self.cfg.device == "cuda":
+            from runtime import cuda_sampling
+
+            return StepExecutor(
+                runner,
+                self.cfg.rank,
+                self.device,
+                cuda_sampling.sample,
+                cuda_sampling.sample_tokens,
+                max_batch,
+            )
+        return StepExecutor(runner, self.cfg.rank, self.device, sample, None, max_batch)
 
     def _check_collectives(self, pkg: Package) -> CollectivesCheck | None:
         if self.cfg.tp_size == 1:
@@ -174,82 +179,64 @@ class Rank:
         sock.close()
 
     def serve(self) -> None:
+        """Execute plans as they come. A launched step is reported as soon as its samples are
+        on the host, or once the next plan, if it arrives first, has been launched behind it;
+        so with the frontend one step ahead, the GPU always has the next step queued
+        (ranks/steps.py)."""
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        pending: Launched | None = None
         while True:
+            if pending is not None:
+                if self.steps.ready(pending):  # always on the CPU path: report at once
+                    self._report(pending)
+                    pending = None
+                elif poller.poll(0):
+                    msg = self._recv()
+                    if msg.WhichOneof("kind") == "step":
+                        launched = self.steps.launch(msg.step, pending)
+                        self._report(pending)
+                        pending = launched
+                        continue
+                    self._report(pending)
+                    pending = None
+                    if not self._control(msg):
+                        return
+                else:
+                    time.sleep(20e-6)  # the GPU is still on it: look again for the next plan
+                continue
             if not poller.poll(int(self.cfg.heartbeat_s * 1000)):
                 if self.cfg.exit_with_parent and os.getppid() != self.parent_pid:
                     log.warning("the process that started this rank is gone; exiting")
                     return
                 continue
-            msg = wire_pb2.ToRank()
-            msg.ParseFromString(self.sock.recv())
-            kind = msg.WhichOneof("kind")
-            if kind == "shutdown":
+            msg = self._recv()
+            if msg.WhichOneof("kind") == "step":
+                pending = self.steps.launch(msg.step, None)
+            elif not self._control(msg):
                 return
-            if kind == "attach":
-                log.info("frontend session %s attached", msg.attach.session_id)
-                self.seqs.clear()
-                self.send(hello=self.hello)
-                self.send(ready=self.ready)
-            elif kind == "step":
-                self.send(result=self.execute(msg.step))
 
-    def execute(self, plan: wire_pb2.StepPlan) -> wire_pb2.StepResult:
-        t0 = time.perf_counter()
-        for seq_id in plan.release_seq_ids:
-            self.seqs.pop(seq_id, None)
-        for new in plan.new_seqs:
-            p = new.sampling
-            self.seqs[new.seq_id] = SeqState(
-                SamplingParams(
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=p.seed,
-                    num_logprobs=p.num_logprobs,
-                )
-            )
-        inputs, sampling = [], []
-        for s in plan.seqs:
-            state = self.seqs[s.seq_id]
-            state.pages.extend(s.new_pages)
-            token_ids = _input_tokens(s, state)
-            inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample))
-            if s.sample:
-                sampling.append((s.seq_id, state, s.start_pos + len(token_ids)))
-        logits = self.runner.step(inputs) if inputs else None
-        drawn = self._sample(logits, sampling)
-        result = wire_pb2.StepResult(step_id=plan.step_id, rank=self.cfg.rank)
-        if self.cfg.rank == 0:
-            for (seq_id, _, _), d in zip(sampling, drawn):
-                result.samples.append(
-                    wire_pb2.Sample(
-                        seq_id=seq_id,
-                        token_id=d.token_id,
-                        logprob=d.logprob,
-                        top_token_ids=[t for t, _ in d.top],
-                        top_logprobs=[lp for _, lp in d.top],
-                    )
-                )
-        self.last_step = plan.step_id
-        result.execute_s = time.perf_counter() - t0
-        return result
+    def _recv(self) -> wire_pb2.ToRank:
+        msg = wire_pb2.ToRank()
+        msg.ParseFromString(self.sock.recv())
+        return msg
 
-    def _sample(self, logits, sampling: list[tuple[int, SeqState, int]]) -> list[Sampled]:
-        """Every rank draws every sampling row and remembers the token, for the steps that
-        follow it (follows_sample): all ranks hold the same logits (the LM head is
-        all-gathered) and draws are seeded per (seed, position), so all draw alike. Only rank
-        0 reports its draws, so only rank 0 computes logprobs."""
-        if not sampling:
-            return []
-        params = [state.sampling for _, state, _ in sampling]
-        if self.cfg.rank != 0:
-            params = [dataclasses.replace(p, num_logprobs=-1) for p in params]
-        drawn = self.sample(logits, params, [pos for _, _, pos in sampling])
-        for (_, state, _), d in zip(sampling, drawn):
-            state.last_token = d.token_id
-        return drawn
+    def _report(self, launched: Launched) -> None:
+        result = self.steps.finish(launched)
+        self.last_step = launched.step_id
+        self.send(result=result)
+
+    def _control(self, msg: wire_pb2.ToRank) -> bool:
+        """Handle a message other than a step; False: stop serving."""
+        kind = msg.WhichOneof("kind")
+        if kind == "shutdown":
+            return False
+        if kind == "attach":
+            log.info("frontend session %s attached", msg.attach.session_id)
+            self.steps.reset()
+            self.send(hello=self.hello)
+            self.send(ready=self.ready)
+        return True
 
     def close(self) -> None:
         self.closing.set()
@@ -257,17 +244,6 @@ class Rank:
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
-
-
-def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:
-    if not s.follows_sample:
-        return list(s.token_ids)
-    if state.last_token is None:
-        raise ValueError(
-            f"step plan: sequence {s.seq_id} follows a sample, but this rank has sampled none "
-            "for it since it was added: the frontend and the rank disagree"
-        )
-    return [state.last_token]
 
 
 def main(cfg: RankConfig) -> int:

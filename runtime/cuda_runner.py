@@ -25,9 +25,9 @@ buffer in one copy: a strided slice would need temporaries), plans the bucket's 
 decode wrapper on the host when its page counts changed, and replays the bucket's graph.
 Padding rows read token 0 at position 0 and write their KV into the runner's own padding
 page (page id `kv_plan.num_pages`, never handed to the scheduler), so they never touch a real
-sequence's cache; every kernel works row by row (GEMMs, norms, attention), so padding rows cannot change
-a real row's result. A decode batch larger than the largest bucket raises BucketError: it is
-never run eagerly in silence.
+sequence's cache; every kernel works row by row (GEMMs, norms, attention), so padding rows
+cannot change a real row's result. A decode batch larger than the largest bucket raises
+BucketError: it is never run eagerly in silence.
 
 Any other step (prefill chunks, or a mix of prefill and decode sequences) runs eagerly through
 FlashInfer's paged prefill kernels: big enough per kernel that launch overhead hides under the
@@ -97,8 +97,9 @@ def build_cuda_runner(
     return runner, runner.kv_plan.num_pages
 
 
-# Rows of the int64 staging buffer: one value per token row of the step.
-_IDS, _POS, _PAGE, _SLOT, _SAMPLE = range(5)
+# Rows of the int64 staging buffer: one value per token row of the step. _FED: the row of the
+# fed tokens (feed()) that replaces the token id, or -1.
+_IDS, _POS, _PAGE, _SLOT, _SAMPLE, _FED = range(6)
 
 
 class CudaGraphRunner:
@@ -148,13 +149,14 @@ class CudaGraphRunner:
 
     def _alloc_static(self) -> None:
         dev = self.device
-        self._host_i64 = torch.zeros((5, self.max_tokens), dtype=torch.int64, pin_memory=True)
+        self._host_i64 = torch.zeros((6, self.max_tokens), dtype=torch.int64, pin_memory=True)
         # [page indices (max_indices) | last-page lengths of a decode batch (max_batch)]
         self._host_i32 = torch.zeros(
             self.max_indices + self.caps.max_batch, dtype=torch.int32, pin_memory=True
         )
         self._np_i64, self._np_i32 = self._host_i64.numpy(), self._host_i32.numpy()
-        self._dev_i64 = torch.zeros((5, self.max_tokens), dtype=torch.int64, device=dev)
+        self._dev_i64 = torch.zeros((6, self.max_tokens), dtype=torch.int64, device=dev)
+        self._fed = torch.zeros(self.caps.max_batch, dtype=torch.int64, device=dev)
         self._dev_i32 = torch.zeros(self.max_indices, dtype=torch.int32, device=dev)
         self._copied = torch.cuda.Event()  # the last host->device copy of the staging buffers
         self._copied.record()
@@ -233,6 +235,12 @@ class CudaGraphRunner:
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
 
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Tokens (on this GPU, [n <= max_batch]) that later steps' rows name by
+        SeqInput.fed_row: a step's samples, copied in stream order, so the next step can be
+        launched before they reach the host."""
+        self._fed[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+
     @property
     def decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
         """Bucket -> captured graph; benchmarks replay one alone to time the GPU side."""
@@ -284,13 +292,14 @@ class CudaGraphRunner:
         for i, s in enumerate(seqs):
             pos = s.start_pos
             num_pages = self._check_pages(s, pos + 1)
-            st[_IDS, i], st[_POS, i] = s.token_ids[0], pos
+            st[_IDS, i], st[_POS, i], st[_FED, i] = s.token_ids[0], pos, s.fed_row
             st[_PAGE, i], st[_SLOT, i] = s.page_table[pos // ps], pos % ps
             idx[used : used + num_pages] = s.page_table[:num_pages]
             used += num_pages
             indptr[i + 1], last_len[i] = used, pos + 1 - (num_pages - 1) * ps
         for i in range(len(seqs), bucket):  # padding rows: token 0 at position 0, padding page
             st[_IDS, i], st[_POS, i], st[_PAGE, i], st[_SLOT, i] = 0, 0, self.pad_page, 0
+            st[_FED, i] = -1
             idx[used] = self.pad_page
             used += 1
             indptr[i + 1] = used
@@ -303,8 +312,15 @@ class CudaGraphRunner:
 
     def _decode_forward(self, bucket: int, attn: DecodeAttention) -> None:
         """The captured region: static inputs in, the static logits buffer out."""
-        hidden = self.model(self._dev_i64[_IDS, :bucket], self._dev_i64[_POS, :bucket], attn)
+        ids = self._token_ids(bucket)
+        hidden = self.model(ids, self._dev_i64[_POS, :bucket], attn)
         self._logits[:bucket].copy_(self.model.lm_head(hidden))
+
+    def _token_ids(self, num_tokens: int) -> torch.Tensor:
+        """The step's token ids, fed rows taken from the fed tokens on the device."""
+        fed_row = self._dev_i64[_FED, :num_tokens]
+        fed = self._fed.index_select(0, fed_row.clamp(min=0))
+        return torch.where(fed_row >= 0, fed, self._dev_i64[_IDS, :num_tokens])
 
     def _prefill_forward(self, seqs: list[SeqInput], attn: PrefillAttention) -> torch.Tensor:
         num_tokens = sum(len(s.token_ids) for s in seqs)
@@ -326,6 +342,7 @@ class CudaGraphRunner:
             pos = np.arange(s.start_pos, ctx)
             pages = np.asarray(s.page_table[:num_pages], dtype=np.int64)
             st[_IDS, row : row + n], st[_POS, row : row + n] = s.token_ids, pos
+            st[_FED, row : row + n] = s.fed_row
             st[_PAGE, row : row + n], st[_SLOT, row : row + n] = pages[pos // ps], pos % ps
             idx[used : used + num_pages] = pages
             row, used = row + n, used + num_pages
@@ -345,7 +362,7 @@ class CudaGraphRunner:
             dev[_PAGE, :num_tokens],
             dev[_SLOT, :num_tokens],
         )
-        hidden = self.model(dev[_IDS, :num_tokens], dev[_POS, :num_tokens], attn)
+        hidden = self.model(self._token_ids(num_tokens), dev[_POS, :num_tokens], attn)
         if not num_sample:  # every rank plans the same step, so all skip the LM head together
             return torch.empty((0, self.model.spec.vocab_size), device=self.device)
         return self.model.logits(hidden.index_select(0, dev[_SAMPLE, :num_sample]))

@@ -24,6 +24,18 @@ def sample(
 ) -> list[Sampled]:
     """logits: [n, vocab] float32 on the GPU; one SamplingParams and predicted-token position
     per row. One device-to-host transfer per call."""
+    token_ids = sample_tokens(logits, params, positions).tolist()
+    logprobs = _logprobs(logits, params, token_ids)
+    return [Sampled(t, *logprobs.get(i, (float("nan"), ()))) for i, t in enumerate(token_ids)]
+
+
+@torch.inference_mode()
+def sample_tokens(
+    logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
+) -> torch.Tensor:
+    """The sampled token ids [n] (int64), left on the GPU: nothing here waits for the GPU
+    (the host-side parameters go up in small copies), so the caller can queue the next step
+    before the tokens are read."""
     tokens = logits.argmax(dim=-1)  # [n]; rows that sample overwrite theirs below
     drawn_rows = [i for i, p in enumerate(params) if p.temperature != 0]
     if drawn_rows:
@@ -31,9 +43,7 @@ def sample(
         sub = [params[i] for i in drawn_rows]
         seeds = [token_seed(p.seed, positions[i]) for i, p in zip(drawn_rows, sub)]
         tokens.index_copy_(0, rows, _draw(logits.index_select(0, rows), sub, seeds))
-    token_ids = tokens.tolist()
-    logprobs = _logprobs(logits, params, token_ids)
-    return [Sampled(t, *logprobs.get(i, (float("nan"), ()))) for i, t in enumerate(token_ids)]
+    return tokens
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> torch.Tensor:

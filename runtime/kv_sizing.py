@@ -50,6 +50,11 @@ def plan_kv_pool(
         raise KVPoolError(f"the KV memory fraction must be in (0, 1], got {fraction}.")
     usable = max(0, free_bytes - reserve_bytes)
     num_pages = int(usable * fraction) // page_bytes - 1
+    if max_pages and max_pages < min_pages:
+        raise KVPoolError(
+            f"--kv-pages {max_pages} is below the {min_pages} pages one sequence of the "
+            f"package's max_seq_len needs; ask for at least {min_pages}."
+        )
     if max_pages:
         num_pages = min(num_pages, max_pages)
     if num_pages < min_pages:

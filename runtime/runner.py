@@ -20,6 +20,9 @@ class SeqInput:
     start_pos: int  # position of token_ids[0]
     page_table: list[int]  # pages covering start_pos + len(token_ids) tokens
     sample: bool  # whether this step's last token yields a next-token distribution
+    # >= 0: a decode row whose one token is row `fed_row` of the tokens last given to the
+    # runner's feed() (a sample still on the device); token_ids then holds a placeholder.
+    fed_row: int = -1
 
 
 class ReferenceRunner:
@@ -28,6 +31,11 @@ class ReferenceRunner:
     def __init__(self, model: Transformer, kv: KVCache, device: str | torch.device = "cpu"):
         self.model, self.kv, self.device = model, kv, torch.device(device)
         self.scale = model.spec.head_dim**-0.5
+        self._fed = torch.zeros(0, dtype=torch.long)
+
+    def feed(self, tokens: torch.Tensor) -> None:
+        """Tokens that later steps' rows name by `SeqInput.fed_row`."""
+        self._fed = tokens.to("cpu", torch.long)
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -35,7 +43,7 @@ class ReferenceRunner:
         ids, pos, spans, last_rows = [], [], [], []
         for s in seqs:
             n = len(s.token_ids)
-            ids.extend(s.token_ids)
+            ids.extend([int(self._fed[s.fed_row])] if s.fed_row >= 0 else s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
             spans.append(SeqSpan(n, s.start_pos + n, torch.tensor(s.page_table, dtype=torch.long)))
             if s.sample:

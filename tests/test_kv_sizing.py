@@ -37,3 +37,8 @@ def test_reserve_larger_than_free_memory_is_refused():
 def test_fraction_must_be_a_share(fraction):
     with pytest.raises(KVPoolError, match="fraction"):
         plan_kv_pool(2 * MIB, 1000 * MIB, 0, fraction, min_pages=1)
+
+
+def test_a_cap_below_one_sequence_is_refused_as_the_cap():
+    with pytest.raises(KVPoolError, match="--kv-pages 104 is below the 256 pages"):
+        plan_kv_pool(2 * MIB, 100_000 * MIB, 0, 0.9, min_pages=256, max_pages=104)

@@ -145,3 +145,35 @@ def test_out_of_bucket_steps_are_refused(llama):
         runner.step(too_many)
     with pytest.raises(BucketError, match="tokens per step"):
         runner.step([SeqInput([1] * 257, 0, tables[0], True)])
+
+
+def test_fed_tokens_equal_host_tokens(llama):
+    """Greedy decode where each step's tokens stay on the GPU (feed() + fed_row, as a rank
+    runs when the frontend plans a step ahead) gives bitwise the logits of the same decode
+    with the tokens passed from the host in graph steps, and feeds the eager (mixed) path
+    too."""
+    _, spec, _, runner, _ = llama
+    prompts = random_prompts(spec.vocab_size, seed=14)
+    tables = steps.page_tables(6, 512)
+    host_tables, fed_tables = tables[:3], tables[3:]
+    contexts = [len(p) for p in prompts]
+    first = steps.prefill(runner, prompts, host_tables)
+    steps.prefill(runner, prompts, fed_tables)
+    tokens = [int(row.argmax()) for row in first]
+    fed = torch.tensor(tokens, device="cuda")
+    for step in range(6):
+        host = steps.decode(runner, tokens, [c + step for c in contexts], host_tables)
+        runner.feed(fed)
+        seqs = [
+            SeqInput([0], c + step, tab, True, fed_row=i)
+            for i, (c, tab) in enumerate(zip(contexts, fed_tables))
+        ]
+        # The last step mixes in a 2-token prefill chunk: the eager path feeds too.
+        extra = [SeqInput([5, 6], 0, tables[0][-2:], False)] if step == 5 else []
+        out = (runner.step(seqs + extra) if extra else runner.step(seqs)).float().cpu()
+        if not extra:
+            assert torch.equal(out, host)
+        else:  # eager kernels against the graph's: bf16 tolerance
+            assert steps.rel_error(out, host) <= BF16_REL_TOL
+        fed = out.argmax(-1).cuda()
+        tokens = host.argmax(-1).tolist()

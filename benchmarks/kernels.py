@@ -1,0 +1,208 @@
+"""Kernel-level comparisons behind the CUDA path's choices, on the Llama-3.1-8B shapes (TP 1):
+the decode-sized linear layers (cuBLAS against the copy rate) and paged decode attention
+(FlashInfer's CUDA-core and tensor-core variants).
+
+    python -m benchmarks.kernels --out DIR [--part linear,attention]
+
+Every kernel is timed inside a CUDA graph of many calls (as the decode graph runs them), over
+enough distinct weight / KV copies that nothing is served from the 50 MB L2 cache. Results:
+DIR/kernels.json and a printed table; attention variants are checked against the first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.decode import copy_bandwidth
+
+HIDDEN, INTER, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 128256, 32, 8, 128
+LINEARS = {  # name: (N, K) of the TP-1 weight
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+}
+L2_FLUSH_BYTES = 512 << 20
+
+
+def graph_us(calls, reps: int = 10) -> float:
+    """Median µs per call of `calls` (a list of thunks) captured back to back in one graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls:  # warm-up (Triton compiles, FlashInfer loads) outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(calls))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copies_for(nbytes: int) -> int:
+    return max(2, math.ceil(L2_FLUSH_BYTES / nbytes))
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+# ---- linear layers ---------------------------------------------------------------------
+
+
+def bench_linear(name: str, m: int, bw: float) -> dict:
+    n, k = LINEARS[name]
+    nbytes = n * k * 2
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies_for(nbytes))]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    row = {"name": name, "m": m, "n": n, "k": k, "weight_MB": nbytes / 1e6}
+    row["copy_rate_us"] = nbytes / bw * 1e6
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    return row
+
+
+# ---- decode attention ------------------------------------------------------------------
+
+
+ATTENTION_VARIANTS = {
+    "fa2-cudacore": dict(use_tensor_cores=False, backend="fa2", plan={}),
+    "fa2-cudacore-nosplit": dict(
+        use_tensor_cores=False, backend="fa2", plan={"disable_split_kv": True}
+    ),
+    "tc-fa3": dict(use_tensor_cores=True, backend="fa3", plan={}),
+    "tc-fa2": dict(use_tensor_cores=True, backend="fa2", plan={}),
+}
+
+
+def bench_attention(batch: int, context: int, layers: int, variants: list[str]) -> dict:
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    page = 16
+    pages_per_seq = -(-context // page)
+    num_pages = batch * pages_per_seq
+    caches = [
+        torch.randn(num_pages, 2, page, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        for _ in range(layers)
+    ]
+    q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
+    last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
+    kv_bytes = layers * batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+    row = {"batch": batch, "context": context, "kv_MB_per_layer": kv_bytes / layers / 1e6}
+    ref = None
+    for name in variants:
+        v = ATTENTION_VARIANTS[name]
+        t0 = time.perf_counter()
+        try:
+            workspace = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+            ind = torch.arange(num_pages, dtype=torch.int32, device="cuda")
+            w = BatchDecodeWithPagedKVCacheWrapper(
+                workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=v["use_tensor_cores"],
+                paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device="cuda"),
+                paged_kv_indices_buffer=ind,
+                paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device="cuda"),
+                backend=v["backend"],
+            )
+            w.plan(
+                indptr,
+                ind,
+                last,
+                HEADS,
+                KV_HEADS,
+                HEAD_DIM,
+                page,
+                q_data_type=torch.bfloat16,
+                **v["plan"],
+            )
+            out = w.run(q, caches[0])
+            if ref is None:
+                ref = out
+            row[name] = {
+                "us_per_layer": graph_us([lambda c=c: w.run(q, c) for c in caches]),
+                "err": rel_err(out, ref),
+                "first_use_s": time.perf_counter() - t0,
+            }
+        except Exception as e:  # a variant this FlashInfer cannot run here is reported
+            row[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    row["copy_rate_us_per_layer"] = kv_bytes / layers / copy_bandwidth.cached * 1e6
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    p.add_argument("--part", default="linear,attention")
+    p.add_argument("--rows", default="1,2,4,8")
+    p.add_argument("--batches", default="1,8,32,64,128,256")
+    p.add_argument("--variants", default=",".join(ATTENTION_VARIANTS))
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bw = copy_bandwidth()
+    copy_bandwidth.cached = bw
+    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_TBps": bw / 1e12}
+    parts = args.part.split(",")
+    rows = [int(r) for r in args.rows.split(",")]
+
+    def save():
+        (out / "kernels.json").write_text(json.dumps(result, indent=2))
+
+    if "linear" in parts:
+        result["linear"] = []
+        for m in rows:
+            for name in LINEARS:
+                r = bench_linear(name, m, bw)
+                result["linear"].append(r)
+                print(
+                    f"{name:>8} M={m} {r['weight_MB']:7.1f} MB  at the copy rate "
+                    f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs",
+                    flush=True,
+                )
+                save()
+    if "attention" in parts:
+        result["attention"] = []
+        for b in (int(x) for x in args.batches.split(",")):
+            r = bench_attention(b, 512, 32, args.variants.split(","))
+            result["attention"].append(r)
+            cells = "  ".join(
+                f"{k}: {v['us_per_layer']:.1f} µs (err {v['err']:.1e})"
+                if "us_per_layer" in v
+                else f"{k}: {v['error'][:80]}"
+                for k, v in r.items()
+                if isinstance(v, dict)
+            )
+            print(
+                f"attention b={b} copy-rate {r['copy_rate_us_per_layer']:.1f} µs  {cells}",
+                flush=True,
+            )
+            save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Write the benchmark's model (Llama-3.1-8B architecture, random bf16 weights, no download) as
+an Orbit package, through the path users take: a Hugging Face checkpoint, then `orbit prepare`.
+
+    python -m benchmarks.random_package --out DIR --tokenizer TOKENIZER_DIR [--layers 32]
+
+The tokenizer only has to be a saved Hugging Face tokenizer (the benchmarks feed token ids
+directly, so its vocabulary need not match the model's). The checkpoint is written next to the
+package and removed afterwards; weights are drawn on the GPU when there is one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode import hf_config
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--tokenizer", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--tp", type=int, default=1)
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from prepare.build import PrepareOptions, prepare_package
+
+    t0 = time.perf_counter()
+    ckpt = args.out.with_name(args.out.name + ".checkpoint")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(hf_config(args.layers)).to(torch.bfloat16)
+    for name, param in model.named_parameters():  # small weights keep activations finite
+        if "norm" not in name:
+            param.data.normal_(0.0, 0.02)
+    model.save_pretrained(ckpt)
+    AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(ckpt)
+    del model
+    t1 = time.perf_counter()
+    opts = PrepareOptions(tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=64)
+    prepare_package(ckpt, args.out, opts, progress=False)
+    shutil.rmtree(ckpt)
+    print(f"checkpoint {t1 - t0:.0f} s, prepare {time.perf_counter() - t1:.0f} s: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

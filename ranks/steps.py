@@ -1,0 +1,181 @@
+"""A rank's step execution, split in two so that the next step can be queued on the GPU before
+this one's samples reach the host:
+
+- `launch(plan, previous)`: apply the plan's sequence changes, build the inputs, run the model
+  and draw the samples. On CUDA nothing here waits for the GPU: the tokens stay on the device,
+  a copy to pinned host memory is queued behind them, and a `follows_sample` row whose token
+  the previous (still unfinished) step draws is fed from the device (runner.feed + fed_row).
+- `finish(launched)`: wait for that copy, remember each sequence's token (what a later
+  `follows_sample` row of a finished step uses), and build the StepResult.
+
+The frontend sends step N+1 before N's result (orbit/engine.py), so the rank finds it waiting:
+it launches N+1 and then finishes N, and the GPU runs N+1 while the host reports N. On the CPU
+path every step completes in launch, and the same two calls run in the same order.
+
+Every rank draws every sampling row (all ranks hold the same logits; draws are seeded per
+(seed, position)), so each can feed its own samples; only rank 0 reports them, and only rank 0
+computes logprobs. A step in which a row asks for logprobs is sampled synchronously.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from proto import wire_pb2
+from runtime.runner import SeqInput
+from runtime.sampling import Sampled, SamplingParams
+
+
+@dataclass
+class SeqState:
+    sampling: SamplingParams
+    pages: list[int] = field(default_factory=list)
+    last_token: int | None = None  # this rank's latest finished sample: what follows_sample feeds
+
+
+@dataclass
+class Launched:
+    """A step whose work is queued (CUDA) or done (CPU), not yet reported."""
+
+    step_id: int
+    started: float  # perf_counter at launch
+    rows: list[tuple[int, SeqState, int]]  # sampling rows: (seq_id, state, predicted position)
+    tokens: torch.Tensor | None  # the rows' tokens on the runner's device (None: no rows)
+    drawn: list[Sampled] | None  # set when sampled synchronously
+    host: torch.Tensor | None = None  # pinned copy of tokens, filled in stream order
+    copied: torch.cuda.Event | None = None
+    gpu_start: torch.cuda.Event | None = None
+
+    def row_of(self, seq_id: int) -> int:
+        return next((i for i, (s, _, _) in enumerate(self.rows) if s == seq_id), -1)
+
+
+SampleFn = Callable[[torch.Tensor, list[SamplingParams], list[int]], list[Sampled]]
+TokensFn = Callable[[torch.Tensor, list[SamplingParams], list[int]], torch.Tensor]
+
+
+class StepExecutor:
+    def __init__(
+        self,
+        runner,
+        rank: int,
+        device: torch.device,
+        sample: SampleFn,
+        sample_tokens: TokensFn | None,
+        max_batch: int,
+    ):
+        """sample: draws and reads the tokens back (runtime/sampling.py or cuda_sampling.py);
+        sample_tokens: CUDA only, draws leaving the tokens on the device."""
+        self.runner, self.rank, self.device = runner, rank, device
+        self.sample, self.sample_tokens = sample, sample_tokens
+        self.seqs: dict[int, SeqState] = {}
+        self.cuda = device.type == "cuda"
+        # Two launched steps at most are unfinished at once: one pinned buffer each.
+        self._host = [
+            torch.zeros(max_batch, dtype=torch.int64, pin_memory=self.cuda) for _ in range(2)
+        ]
+        self._next_host = 0
+
+    def reset(self) -> None:
+        """A new frontend session: forget every sequence."""
+        self.seqs.clear()
+
+    def launch(self, plan: wire_pb2.StepPlan, previous: Launched | None) -> Launched:
+        started = time.perf_counter()
+        for seq_id in plan.release_seq_ids:
+            self.seqs.pop(seq_id, None)
+        for new in plan.new_seqs:
+            p = new.sampling
+            self.seqs[new.seq_id] = SeqState(
+                SamplingParams(
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    top_k=p.top_k,
+                    seed=p.seed,
+                    num_logprobs=p.num_logprobs,
+                )
+            )
+        inputs, rows, feeds = [], [], False
+        for s in plan.seqs:
+            state = self.seqs[s.seq_id]
+            state.pages.extend(s.new_pages)
+            fed_row = previous.row_of(s.seq_id) if s.follows_sample and previous else -1
+            if fed_row >= 0:
+                token_ids, feeds = [0], True
+            else:
+                token_ids = _input_tokens(s, state)
+            inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row))
+            if s.sample:
+                rows.append((s.seq_id, state, s.start_pos + len(token_ids)))
+        if feeds:
+            self.runner.feed(previous.tokens)
+        gpu_start = None
+        if self.cuda:
+            gpu_start = torch.cuda.Event(enable_timing=True)
+            gpu_start.record()
+        logits = self.runner.step(inputs) if inputs else None
+        launched = Launched(plan.step_id, started, rows, None, None, gpu_start=gpu_start)
+        if rows:
+            self._draw(launched, logits)
+        return launched
+
+    def _draw(self, launched: Launched, logits: torch.Tensor) -> None:
+        params = [state.sampling for _, state, _ in launched.rows]
+        if self.rank != 0:
+            params = [dataclasses.replace(p, num_logprobs=-1) for p in params]
+        positions = [pos for _, _, pos in launched.rows]
+        n = len(params)
+        if self.sample_tokens is not None and all(p.num_logprobs < 0 for p in params):
+            launched.tokens = self.sample_tokens(logits, params, positions)
+            launched.host = self._host[self._next_host][:n]
+            self._next_host ^= 1
+            launched.host.copy_(launched.tokens, non_blocking=True)
+            launched.copied = torch.cuda.Event(enable_timing=True)
+            launched.copied.record()
+            return
+        launched.drawn = self.sample(logits, params, positions)
+        ids = [d.token_id for d in launched.drawn]
+        launched.tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def ready(self, launched: Launched) -> bool:
+        """Whether finish() would return without waiting for the GPU."""
+        return launched.copied is None or launched.copied.query()
+
+    def finish(self, launched: Launched) -> wire_pb2.StepResult:
+        result = wire_pb2.StepResult(step_id=launched.step_id, rank=self.rank)
+        drawn = launched.drawn
+        if drawn is None and launched.rows:
+            launched.copied.synchronize()
+            drawn = [Sampled(t, float("nan"), ()) for t in launched.host.tolist()]
+        for (seq_id, state, _), d in zip(launched.rows, drawn or []):
+            state.last_token = d.token_id
+            if self.rank == 0:
+                result.samples.append(
+                    wire_pb2.Sample(
+                        seq_id=seq_id,
+                        token_id=d.token_id,
+                        logprob=d.logprob,
+                        top_token_ids=[t for t, _ in d.top],
+                        top_logprobs=[lp for _, lp in d.top],
+                    )
+                )
+        if launched.gpu_start is not None and launched.copied is not None:
+            result.gpu_s = launched.gpu_start.elapsed_time(launched.copied) / 1e3
+        result.execute_s = time.perf_counter() - launched.started
+        return result
+
+
+def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:
+    if not s.follows_sample:
+        return list(s.token_ids)
+    if state.last_token is None:
+        raise ValueError(
+            f"step plan: sequence {s.seq_id} follows a sample, but this rank has sampled none "
+            "for it since it was added: the frontend and the rank disagree"
+        )
+    return [state.last_token]
