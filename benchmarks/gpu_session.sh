@@ -28,7 +28,7 @@ if [ -z "${SKIP_STEP:-}" ]; then
   [ -d "$pkg" ] || timeout 300 python3 -m benchmarks.random_package --out "$pkg" \
     --tokenizer "${ORBIT_TEST_TOKENIZER:?the package needs a saved tokenizer}" 2>&1 | tail -3
   timeout "${STEP_TIMEOUT:-300}" python3 -m benchmarks.step_overhead --package "$pkg" \
-    --device cuda --prompt-tokens 512 --new-tokens 256 --out "$out" 2>&1 | tee "$out/step.log"
+    --device cuda --prompt-tokens 512 --new-tokens 256 --batch "${STEP_BATCHES:-1,64}" --out "$out" 2>&1 | tee "$out/step.log"
 fi
 # FlashInfer modules compiled here that the carried cache lacks: brought back so later calls
 # can carry them instead of compiling again.

@@ -1,8 +1,9 @@
-"""What the frontend costs between steps: one request at batch 1 through the Engine (no HTTP),
-first one step at a time, then with the next step sent ahead (EngineConfig.overlap).
+"""What the frontend costs between steps: requests through the Engine (no HTTP) and the rank
+processes. At batch 1, first one step at a time, then with the next step sent ahead
+(EngineConfig.overlap); at each larger --batch B, B concurrent requests, overlapped.
 
     python3 -m benchmarks.step_overhead --package PKG --device cuda [--prompt-tokens 512]
-        [--new-tokens 256] [--tp 1] [--out DIR]
+        [--new-tokens 256] [--tp 1] [--batch 1,8,64] [--out DIR]
 
 The ranks are started on this machine as `orbit serve` starts them. For each mode it prints
 the median interval between consecutive tokens as the frontend receives them, the median time
@@ -20,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import statistics
 import tempfile
 import time
@@ -91,21 +93,25 @@ async def token_times(engine: Engine, prompt_ids: list[int], params: SamplingPar
     return times
 
 
-async def measure(engine: Engine, prompt_ids: list[int], new_tokens: int) -> dict:
-    await token_times(engine, prompt_ids, SamplingParams(max_tokens=4, temperature=0))  # warm
+async def measure(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
+    """Run len(prompts) requests at once (the decode batch) after a one-request warm-up."""
+    await token_times(engine, prompts[0], SamplingParams(max_tokens=4, temperature=0))
     engine.recent_timings.clear()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    times = await token_times(engine, prompt_ids, params)
-    intervals = [b - a for a, b in zip(times, times[1:])]
+    runs = await asyncio.gather(*(token_times(engine, p, params) for p in prompts))
+    # Intervals of the decode phase only: from each request's 8th token on, when every
+    # request of the batch has finished its prefill and they step together.
+    intervals = [b - a for times in runs for a, b in zip(times[8:], times[9:])]
     itl_ms = statistics.median(intervals) * 1e3
-    decode = list(engine.recent_timings)[1:]  # the first step is the prompt's prefill
+    decode = list(engine.recent_timings)[len(prompts) :]  # past the prefill steps
     execute_ms = statistics.median(t[0] for t in decode) * 1e3
     gpu_ms = statistics.median(t[1] for t in decode) * 1e3
     out = {
+        "batch": len(prompts),
         "median_token_interval_ms": round(itl_ms, 4),
         "median_rank_execute_ms": round(execute_ms, 4),
         "median_other_ms": round(itl_ms - execute_ms, 4),
-        "tokens_per_s": round(1e3 / itl_ms, 2),
+        "tokens_per_s": round(len(prompts) * 1e3 / itl_ms, 2),
         "steps": len(engine.recent_timings),
     }
     if gpu_ms > 0:  # CUDA: the share of each token's interval the GPU did not work
@@ -114,10 +120,37 @@ async def measure(engine: Engine, prompt_ids: list[int], new_tokens: int) -> dic
     return out
 
 
-def prompt(pkg: Package, num_tokens: int) -> list[int]:
+def _copy_bandwidth() -> float:
+    import torch
+
+    from benchmarks.decode import copy_bandwidth
+
+    bw = copy_bandwidth()
+    torch.cuda.empty_cache()
+    return bw
+
+
+def roofline_tokens_per_s(pkg: Package, batch: int, context: float, bandwidth: float) -> float:
+    """Decode tokens/s if a step took only its bytes over the copy bandwidth: every weight but
+    the embedding table (one rank's share), each sequence's KV, the float32 logits written
+    (the same model as benchmarks/decode.py's roofline)."""
+    from runtime.layout import shard_shapes
+
+    spec, tp = pkg.spec, pkg.tp_size
+    weights = sum(
+        math.prod(shape) * 2
+        for name, shape in shard_shapes(spec, tp).items()
+        if name != "embed.weight"
+    )
+    kv_per_token = spec.num_layers * 2 * (spec.num_kv_heads // tp) * spec.head_dim * 2
+    step_bytes = weights + batch * context * kv_per_token + batch * spec.vocab_size * 4
+    return batch * bandwidth / step_bytes
+
+
+def prompt(pkg: Package, num_tokens: int, salt: int = 0) -> list[int]:
     """Deterministic ids spread over the vocabulary (the model's output does not matter)."""
     vocab = pkg.spec.vocab_size
-    return [(1000 + 7919 * i) % vocab for i in range(num_tokens)]
+    return [(1000 + 7919 * i + 104729 * salt) % vocab for i in range(num_tokens)]
 
 
 async def run(args) -> dict:
@@ -130,15 +163,26 @@ async def run(args) -> dict:
         raise SystemExit(f"prompt + new tokens ({total}) exceed max_seq_len {caps.max_seq_len}")
     # Room for the run and its warm-up, and at least one max_seq_len sequence (what a rank
     # insists on).
-    kv_pages = max(2 * -(-total // caps.kv_page_size) + 8, caps.max_pages_per_seq)
-    prompt_ids = prompt(pkg, args.prompt_tokens)
+    batches = [int(b) for b in args.batch.split(",")]
+    if max(batches) > caps.max_batch:
+        raise SystemExit(f"--batch {max(batches)} exceeds the package's max_batch {caps.max_batch}")
+    kv_pages = (max(batches) + 1) * -(-total // caps.kv_page_size) + 8
+    kv_pages = max(kv_pages, caps.max_pages_per_seq)
     report = {"args": {k: str(v) for k, v in vars(args).items()}}
+    bandwidth = _copy_bandwidth() if args.device == "cuda" else 0.0
     async with local_ranks(pkg, args.device, kv_pages) as link:
-        for overlap in (False, True):
-            mode = "overlap" if overlap else "one_at_a_time"
-            async with running_engine(engine_config(pkg, overlap), link) as engine:
-                report[mode] = await measure(engine, prompt_ids, args.new_tokens)
-            print(mode, json.dumps(report[mode]), flush=True)
+        for batch in batches:
+            prompts = [prompt(pkg, args.prompt_tokens, salt=i) for i in range(batch)]
+            for overlap in (False, True) if batch == 1 else (True,):
+                mode = f"batch{batch}_" + ("overlap" if overlap else "one_at_a_time")
+                async with running_engine(engine_config(pkg, overlap), link) as engine:
+                    report[mode] = await measure(engine, prompts, args.new_tokens)
+                if bandwidth:
+                    avg_context = args.prompt_tokens + args.new_tokens / 2
+                    roof = roofline_tokens_per_s(pkg, batch, avg_context, bandwidth)
+                    report[mode]["roofline_tokens_per_s"] = round(roof, 1)
+                    report[mode]["of_roofline"] = round(report[mode]["tokens_per_s"] / roof, 4)
+                print(mode, json.dumps(report[mode]), flush=True)
     return report
 
 
@@ -149,6 +193,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument(
+        "--batch", default="1", help="comma-separated concurrent requests (> 1: overlap only)"
+    )
     p.add_argument("--out", type=Path, help="append a JSON line to DIR/step_overhead.jsonl")
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
