@@ -27,6 +27,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 
 from orbit import __version__
+from orbit.async_streams import close, merge, prepend
 from orbit.engine import Engine, EngineError, EngineNotReady, EngineOverloaded, RequestTooLarge
 from orbit.errors import (
     ApiError,
@@ -83,11 +84,17 @@ def create_app(engine: Engine, served_model_name: str, *, api_key: str | None = 
     app.add_api_route("/metrics", frontend.metrics_text, methods=["GET"], dependencies=guard)
     app.add_api_route("/v1/models", frontend.models, methods=["GET"], dependencies=guard)
     app.add_api_route(
-        "/v1/completions", frontend.completions, methods=["POST"], dependencies=guard,
+        "/v1/completions",
+        frontend.completions,
+        methods=["POST"],
+        dependencies=guard,
         openapi_extra=_json_body(CompletionRequest),
     )
     app.add_api_route(
-        "/v1/chat/completions", frontend.chat_completions, methods=["POST"], dependencies=guard,
+        "/v1/chat/completions",
+        frontend.chat_completions,
+        methods=["POST"],
+        dependencies=guard,
         openapi_extra=_json_body(ChatCompletionRequest),
     )
     return app
@@ -97,9 +104,14 @@ def _json_body(model: type[BaseModel]) -> dict:
     """The request schema for /openapi.json: the routes parse their bodies themselves (to
     answer malformed input with 400, not 422), so FastAPI cannot infer it."""
     schema = model.model_json_schema()
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": _inline_refs(schema, schema.pop("$defs", {}))}
-    }}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": _inline_refs(schema, schema.pop("$defs", {}))}
+            },
+        }
+    }
 
 
 def _inline_refs(node, defs: dict):
@@ -282,7 +294,7 @@ class _Frontend:
                     return
             raise EngineError("the engine ended a sequence without a finish reason")
         finally:
-            await _close(events)
+            await close(events)
 
     async def _complete(self, request: Request, call: _Call, deltas) -> Response:
         try:
@@ -304,7 +316,7 @@ class _Frontend:
         except (EngineError, RequestTooLarge) as exc:
             raise _engine_refusal(call.id, exc) from None
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        events = self._sse_events(call, _prepend(first, deltas))
+        events = self._sse_events(call, prepend(first, deltas))
         return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _sse_events(
@@ -388,21 +400,6 @@ async def _collect(deltas: AsyncIterator[ChoiceDelta], n: int) -> list[_ChoiceRe
     return results
 
 
-async def _prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
-
-
-async def _close(iterator) -> None:
-    aclose = getattr(iterator, "aclose", None)
-    if aclose is not None:
-        await aclose()
-
-
 class _ClosingStreamingResponse(StreamingResponse):
     """Closes its body generator however the response ends. Starlette leaves it suspended when
     the client goes away, and its cleanup (aborting engine sequences) must not wait for GC."""
@@ -414,45 +411,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             pass  # a send failed because the client left (ASGI 2.4 servers): counted as an abort
         finally:
             await self.body_iterator.aclose()
-
-
-_END = object()
-
-
-@dataclass(frozen=True)
-class _Failure:
-    error: Exception
-
-
-async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """Items of several async generators in arrival order. The first error is raised here;
-    closing this generator (or that error) cancels the others, which closes them."""
-    queue: asyncio.Queue = asyncio.Queue()
-    tasks = [asyncio.create_task(_pump(s, queue)) for s in streams]
-    try:
-        running = len(tasks)
-        while running:
-            item = await queue.get()
-            if item is _END:
-                running -= 1
-            elif isinstance(item, _Failure):
-                raise item.error
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def _pump(stream: AsyncIterator[T], queue: asyncio.Queue) -> None:
-    try:
-        async for item in stream:
-            queue.put_nowait(item)
-        queue.put_nowait(_END)
-    except Exception as exc:  # noqa: BLE001 - forwarded to the reader, which raises it
-        queue.put_nowait(_Failure(exc))
-    finally:
-        await stream.aclose()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:

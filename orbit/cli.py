@@ -120,9 +120,13 @@ def serve(
     ] = None,
     trusted_key: Annotated[
         list[Path] | None,
-        typer.Option(help="Ed25519 public key; repeat for several. Given: refuse unsigned packages."),
+        typer.Option(
+            help="Ed25519 public key; repeat for several. Given: refuse unsigned packages."
+        ),
     ] = None,
-    drain_timeout: Annotated[float, typer.Option(help="Seconds running requests get on stop.")] = 30.0,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds running requests get on stop.")
+    ] = 30.0,
     cache_dir: Annotated[
         Path, typer.Option(help="Where the default model's package is kept.")
     ] = Path.home() / ".cache" / "orbit",
@@ -142,7 +146,9 @@ def serve(
 
     if device not in ("cpu", "cuda"):
         fail(f"--device must be cpu or cuda, not {device!r}.")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
     if cluster is not None:
         package = _cluster_package(package, cluster)
     try:

@@ -6,8 +6,8 @@ reach the ranks (SSH login, pids, files, endpoints), so `orbit down` stops what 
 after cluster.toml has been edited. The file is local and written only by Orbit; it is never read
 from a socket. It is replaced atomically (temp file + rename), so a reader never sees half of it.
 
-Location: `orbit --state-dir DIR`, else ~/.cache/orbit/clusters, as <stem>-<hash>.json where the hash
-is of cluster.toml's absolute path (two cluster.toml files with one name do not collide).
+Location: `orbit --state-dir DIR`, else ~/.cache/orbit/clusters, as <stem>-<hash>.json where the
+hash is of cluster.toml's absolute path (two cluster.toml files with one name do not collide).
 """
 
 from __future__ import annotations

@@ -24,37 +24,22 @@ import torch
 
 from orbit.cluster_ops import cluster_down
 from orbit.cluster_serve import HEARTBEAT_SILENCE_S
-from orbit.cluster_state import load_state, state_path, use_state_dir
+from orbit.cluster_state import load_state, state_path
 from orbit.cluster_up import RankStartError, UpOptions, up
 from orbit.ssh import HostUnreachableError
 from runtime.package import read_manifest
+from tests.cli import STATE_ARGS, default_sigint, orbit, state_dir  # noqa: F401
 from tests.server import ServerProcess, alive
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
 UP_TIMEOUT_S = 120.0
-CLI_TIMEOUT_S = 180.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
 def hosts(ssh_hosts) -> list[TestHost]:  # noqa: F811
     return ssh_hosts
-
-
-# `orbit --state-dir DIR`, set by the autouse fixture below for every CLI call of this module.
-STATE_ARGS: tuple[str, ...] = ()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def state_dir(tmp_path_factory):
-    """Cluster state records go to a test folder, for this process and the CLI it runs."""
-    folder = tmp_path_factory.mktemp("state")
-    use_state_dir(folder)
-    global STATE_ARGS
-    STATE_ARGS = ("--state-dir", str(folder))
-    yield folder
-    use_state_dir(Path("~/.cache/orbit/clusters"))
 
 
 @pytest.fixture(scope="module")
@@ -113,19 +98,6 @@ def write_cluster(
     path = folder / "cluster.toml"
     path.write_text(text)
     return Cluster(path, workdirs)
-
-
-def orbit(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    """Run the orbit CLI as a user would, with the test's state dir."""
-    return subprocess.run(
-        [sys.executable, "-m", "orbit", *STATE_ARGS, *args],
-        check=False,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=dict(os.environ, COLUMNS="200"),
-    )
 
 
 def rank_processes(workdirs: tuple[Path, ...]) -> list[int]:
@@ -305,7 +277,7 @@ def test_serve_cluster_matches_transformers_and_leaves_the_ranks(
     pids = [r.pid for r in load_state(running.path).ranks]
     tok = AutoTokenizer.from_pretrained(str(package / "tokenizer"))
     with ServerProcess(
-        package, "--cluster", str(running.path), ready_timeout_s=90, orbit_args=STATE_ARGS
+        package, "--cluster", str(running.path), ready_timeout_s=90, orbit_args=(*STATE_ARGS,)
     ) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         model = client.models.list().data[0].id
@@ -354,6 +326,7 @@ def test_logs_print_one_ranks_log_and_follow_stops_cleanly(running):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=default_sigint,
     )
     guard = threading.Timer(30, follow.send_signal, [signal.SIGINT])  # bounds the reads
     guard.start()
@@ -441,7 +414,7 @@ def test_a_rank_dying_under_serve_fails_fast_and_serve_recovers_after_up(
     try:
         state = asyncio.run(up(cluster.path, UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=64))).state
         with ServerProcess(
-            package, "--cluster", str(cluster.path), ready_timeout_s=90, orbit_args=STATE_ARGS
+            package, "--cluster", str(cluster.path), ready_timeout_s=90, orbit_args=(*STATE_ARGS,)
         ) as server:
             os.kill(state.ranks[1].pid, signal.SIGKILL)
             deadline = time.monotonic() + HEARTBEAT_SILENCE_S + 15

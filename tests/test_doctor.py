@@ -11,10 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,28 +20,18 @@ from pathlib import Path
 import pytest
 
 from orbit.checks import HARD, WARN, check_software, choose_interface
-from orbit.cluster_state import load_state, state_path, use_state_dir
+from orbit.cluster_state import load_state, state_path
 from orbit.cluster_up import RankStartError, UpOptions, up
 from orbit.fingerprint import HostFingerprint, Interface, Route
+from tests.cli import STATE_ARGS, orbit, state_dir  # noqa: F401
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-CLI_TIMEOUT_S = 180.0
-STATE_ARGS: list[str] = []
 
 
 @pytest.fixture(scope="module")
 def hosts(ssh_hosts) -> list[TestHost]:  # noqa: F811
     return ssh_hosts
-
-
-@pytest.fixture(scope="module", autouse=True)
-def state_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("state")
-    use_state_dir(folder)
-    STATE_ARGS[:] = ["--state-dir", str(folder)]
-    yield folder
-    use_state_dir(Path("~/.cache/orbit/clusters"))
 
 
 @pytest.fixture(scope="module")
@@ -77,18 +65,6 @@ def write_cluster(
     path = folder / "cluster.toml"
     path.write_text(text)
     return path
-
-
-def orbit(*args: str, timeout_s: float = CLI_TIMEOUT_S) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "orbit", *STATE_ARGS, *args],
-        check=False,
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=dict(os.environ, COLUMNS="250"),
-    )
 
 
 def fake_torch_python(folder: Path, version: str) -> Path:

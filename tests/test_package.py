@@ -15,6 +15,7 @@ import torch
 from prepare.build import PrepareOptions, prepare_package
 from runtime.layout import ShardingError
 from runtime.package import MANIFEST_NAME, PackageError, open_package, read_manifest
+from tests.cli import default_sigint
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -171,6 +172,7 @@ def test_interrupted_prepare_leaves_no_package(smollm2_path, tmp_path, sig):
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=default_sigint,
     )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".pkg.partial-*")) and time.monotonic() < deadline:
