@@ -51,8 +51,13 @@ class Launched:
     copied: torch.cuda.Event | None = None
     gpu_start: torch.cuda.Event | None = None
 
+    def __post_init__(self) -> None:
+        # A scan of rows per follows_sample row of the next step would be quadratic in batch.
+        self._row_by_seq = {seq_id: i for i, (seq_id, _, _) in enumerate(self.rows)}
+
     def row_of(self, seq_id: int) -> int:
-        return next((i for i, (s, _, _) in enumerate(self.rows) if s == seq_id), -1)
+        """This step's sampling row of seq_id, or -1."""
+        return self._row_by_seq.get(seq_id, -1)
 
 
 SampleFn = Callable[[torch.Tensor, list[SamplingParams], list[int]], list[Sampled]]

@@ -10,12 +10,8 @@ import torch
 
 from proto import wire_pb2
 from ranks.steps import StepExecutor
-from runtime.kv_cache import KVCache, KVCacheShape
-from runtime.layers import TPGroup
-from runtime.model import build_model
-from runtime.package import open_package
-from runtime.runner import ReferenceRunner
 from runtime.sampling import sample
+from tests.tp_harness import load_runner
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
 SAMPLING = [
@@ -25,10 +21,7 @@ SAMPLING = [
 
 
 def _executor(package: str) -> StepExecutor:
-    pkg = open_package(package)
-    model = build_model(pkg.spec, pkg.load_shard(0, "cpu"), TPGroup(), 128, "cpu")
-    shape = KVCacheShape.for_spec(pkg.spec, 1, 8, pkg.capacities.kv_page_size)
-    runner = ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu"))
+    runner, _ = load_runner(package, rank=0, num_pages=8)
     return StepExecutor(runner, 0, torch.device("cpu"), sample, None, max_batch=4)
 
 

@@ -17,7 +17,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load_runner(package_dir: str, rank: int, num_pages: int):
+def load_runner(package_dir: str, rank: int, num_pages: int):
+    """Rank `rank`'s ReferenceRunner over a fresh num_pages cache, and the package."""
     from runtime.kv_cache import KVCache, KVCacheShape
     from runtime.layers import TPGroup
     from runtime.model import build_model
@@ -60,7 +61,7 @@ def _worker(rank, tp, port, package_dir, prompts, max_new, chunk, out_path):
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp
         )
     torch.set_num_threads(1)
-    runner, pkg = _load_runner(package_dir, rank, num_pages=256)
+    runner, pkg = load_runner(package_dir, rank, num_pages=256)
     eos = set(pkg.manifest.tokenizer.eos_token_ids)
     results = []
     for prompt in prompts:

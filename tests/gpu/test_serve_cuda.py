@@ -34,8 +34,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 def packages(tmp_path_factory):
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from prepare.build import PrepareOptions, prepare_package
-
     tok_dir = os.environ.get("ORBIT_TEST_TOKENIZER")
     if not tok_dir:
         pytest.skip("set ORBIT_TEST_TOKENIZER to a saved SmolLM2 tokenizer folder")
@@ -48,25 +46,25 @@ def packages(tmp_path_factory):
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(root / "ckpt")
     tok.save_pretrained(root / "ckpt")
-    out = {}
-    for dtype in ("bfloat16", "float32"):
-        opts = PrepareOptions(dtype=dtype, max_seq_len=1024, max_batch=16, max_step_tokens=256)
-        out[dtype] = prepare_package(root / "ckpt", root / dtype, opts, progress=False)
-    return out
+    return _bf16_and_float32(root / "ckpt", root)
 
 
 @pytest.fixture(scope="module")
 def smollm2_packages(tmp_path_factory):
-    from prepare.build import PrepareOptions, prepare_package
-
     gguf = os.environ.get("ORBIT_TEST_SMOLLM2_GGUF")
     if not gguf:
         pytest.skip("set ORBIT_TEST_SMOLLM2_GGUF to SmolLM2-135M-Instruct.Q4_1.gguf")
-    root = tmp_path_factory.mktemp("smollm2")
+    return _bf16_and_float32(Path(gguf), tmp_path_factory.mktemp("smollm2"))
+
+
+def _bf16_and_float32(source: Path, root: Path) -> dict[str, Path]:
+    """The model prepared twice: bf16 for the GPU, float32 for the CPU reference."""
+    from prepare.build import PrepareOptions, prepare_package
+
     out = {}
     for dtype in ("bfloat16", "float32"):
         opts = PrepareOptions(dtype=dtype, max_seq_len=1024, max_batch=16, max_step_tokens=256)
-        out[dtype] = prepare_package(Path(gguf), root / dtype, opts, progress=False)
+        out[dtype] = prepare_package(source, root / dtype, opts, progress=False)
     return out
 
 
