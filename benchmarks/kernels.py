@@ -79,6 +79,11 @@ def bench_linear(name: str, m: int, bw: float) -> dict:
     row = {"name": name, "m": m, "n": n, "k": k, "weight_MB": nbytes / 1e6}
     row["copy_rate_us"] = nbytes / bw * 1e6
     row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    # The same product over the weight stored transposed ([K, N]): cuBLAS picks other kernels.
+    wts = [w.t().contiguous() for w in ws]
+    row["cublas_transposed_us"] = graph_us([lambda w=w: x @ w for w in wts] * 4)
+    if m == 1:
+        row["mv_us"] = graph_us([lambda w=w: torch.mv(w, x[0]) for w in ws] * 4)
     return row
 
 
@@ -178,7 +183,9 @@ def main(argv=None) -> int:
                 result["linear"].append(r)
                 print(
                     f"{name:>8} M={m} {r['weight_MB']:7.1f} MB  at the copy rate "
-                    f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs",
+                    f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs, "
+                    f"over W^T {r['cublas_transposed_us']:6.1f} µs, "
+                    f"mv {r.get('mv_us', float('nan')):6.1f} µs",
                     flush=True,
                 )
                 save()
