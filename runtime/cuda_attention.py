@@ -10,8 +10,15 @@ model calls (the CPU path's ReferenceAttention has the same one).
   query heads packed as rows): on the H200 at 512 tokens of context they take 48 µs per layer
   at batch 64 where the CUDA-core decode kernels take 64, and no longer at batch 1
   (benchmarks/kernels.py, docs/performance.md).
-- PrefillAttention: eager, planned per step: prefill chunks, and mixed steps whose sequences
-  bring more than one token, through FlashInfer's paged prefill (FA3 kernels on sm90).
+- PrefillGraphAttention: one per captured prefill graph (a token bucket of the package's
+  prefill chunk sizes): prefill chunks and mixed steps, through FlashInfer's paged prefill in
+  its CUDA-graph mode (FA3 kernels on sm90, as the eager path). The batch is fixed per graph
+  at min(max_batch, tokens) sequences; a step's unused ones are empty (no query rows) and its
+  padding rows belong to no sequence, so attention neither reads nor writes them. FlashInfer
+  sizes its graph-mode plan (the grid and its work lists) from the capture-time plan, which
+  has the bucket's full token count, so every later plan of at most that many rows fits.
+- PrefillAttention: eager, planned per step, the same kernels: the start-up profile and the
+  tests' unpadded reference (CudaGraphRunner.step_eager).
 
 Both write the step's new k and v into the paged cache first (one Triton kernel per layer), at
 the (page, slot) pairs the runner put in its static write buffers, then attend over the cache.
@@ -90,6 +97,72 @@ class DecodeAttention:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [bucket, hq, hd] contiguous; k, v [bucket, hkv, hd]. Returns [bucket, hq, hd]."""
+        cache = self.kv.layers[layer]
+        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        return self.wrapper.run(q, cache)
+
+
+class PrefillGraphAttention:
+    """Causal attention of a step's new tokens over their sequences' cached context, captured:
+    at most `tokens` query rows over exactly `batch` sequences (the unused ones empty)."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        tokens: int,
+        batch: int,
+        max_pages_per_seq: int,
+        workspace: torch.Tensor,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+        scale: float,
+        num_q_heads: int,
+    ):
+        from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+        device = workspace.device
+        self.kv, self.tokens, self.batch, self.scale = kv, tokens, batch, scale
+        self.num_q_heads = num_q_heads
+        self.write_pages, self.write_offsets = write_pages, write_offsets  # [tokens] int64 views
+        self.indices_buf = torch.zeros(batch * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.wrapper = BatchPrefillWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+            paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buf=self.indices_buf,
+            paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
+            backend=prefill_backend(device),
+        )
+
+    def plan(
+        self,
+        qo_indptr: np.ndarray,
+        kv_indptr: np.ndarray,
+        last_page_len: np.ndarray,
+        num_indices: int,
+    ) -> None:
+        """Outside the graph, after the runner queued the page indices into indices_buf.
+        qo_indptr, kv_indptr [batch + 1] and last_page_len [batch] int32 on the host."""
+        s = self.kv.shape
+        self.wrapper.plan(
+            torch.from_numpy(qo_indptr),
+            torch.from_numpy(kv_indptr),
+            self.indices_buf[:num_indices],
+            torch.from_numpy(last_page_len),
+            self.num_q_heads,
+            s.kv_heads,
+            s.head_dim,
+            s.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.kv.layers[0].dtype,
+        )
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [tokens, hq, hd] contiguous; k, v [tokens, hkv, hd]. Returns [tokens, hq, hd],
+        whose padding rows hold whatever the graph's memory held."""
         cache = self.kv.layers[layer]
         cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
         return self.wrapper.run(q, cache)

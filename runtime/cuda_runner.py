@@ -1,5 +1,5 @@
-"""The CUDA execution path of a rank: the same `step(seqs) -> logits` as ReferenceRunner, with
-decode replayed from CUDA graphs.
+"""The CUDA execution path of a rank: the same `step(seqs) -> logits` as ReferenceRunner, every
+step replayed from a CUDA graph.
 
 How it works
 ------------
@@ -12,10 +12,11 @@ Start-up (build_cuda_runner below does all of it for a rank, in this order):
    (warm-up: Triton and FlashInfer kernels load, NCCL communicators form; and profiling: the
    activation peak), then sizes the KV page pool from the memory left (runtime/kv_sizing.py)
    and allocates it. `kv_plan.num_pages` is what the scheduler may hand out.
-2. `capture()`: for every decode bucket of the package (capacities.decode_batch_buckets),
-   largest first, into one shared memory pool: plan attention for a batch of padding rows, run
-   the forward once on a side stream, then capture it. The TP all-reduces and the LM head's
-   all-gather are inside each graph.
+2. `capture()`: for every prefill token bucket (capacities.prefill_chunk_sizes) and every
+   decode bucket (capacities.decode_batch_buckets), largest first, into one shared memory
+   pool: plan attention for padding, run the forward once on a side stream, then capture it.
+   The TP all-reduces (and, in decode graphs, the LM head's all-gather) are inside each graph;
+   each graph writes its result into a static buffer, so no graph's memory outlives a replay.
 3. `step(seqs)` per step.
 
 A decode step (every sequence brings one token) pads the batch to the smallest bucket that
@@ -29,14 +30,18 @@ sequence's cache; every kernel works row by row (GEMMs, norms, attention), so pa
 cannot change a real row's result. A decode batch larger than the largest bucket raises
 BucketError: it is never run eagerly in silence.
 
-Any other step (prefill chunks, or a mix of prefill and decode sequences) runs eagerly through
-FlashInfer's paged prefill kernels: big enough per kernel that launch overhead hides under the
-GPU work, and its shapes vary too much for per-shape graphs to pay (see docs/performance.md).
-It too is refused beyond the package's per-step token budget and max batch.
+Any other step (prefill chunks, or a mix of prefill chunks and decode rows) is padded to the
+smallest token bucket that holds its tokens and replayed from that bucket's graph: padding
+rows (token 0, position 0, KV into the padding page) belong to no sequence, and the graph's
+fixed number of sequences, min(max_batch, bucket), is filled with empty ones
+(runtime/cuda_attention.py, PrefillGraphAttention). The graph ends at the final norm; the LM
+head then runs eagerly on the sampling rows only (one GEMM and, for TP > 1, one all-gather),
+so a graph need not carry max_batch rows of logits. A step beyond the package's per-step
+token budget or max batch raises BucketError.
 
-Memory: after `capture()`, steps allocate no new device memory: decode replays touch only the
-graphs' pool and the static buffers; eager prefill reuses the caching allocator's blocks, whose
-peak the start-up profile measured and the pool sizing reserved.
+Memory: after `capture()`, steps allocate no new device memory: replays touch only the graphs'
+pool and the static buffers; the eager LM head of prefill steps reuses the caching allocator's
+blocks, within the peak the start-up profile measured and the pool sizing reserved.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.cuda_attention import DecodeAttention, PrefillAttention
+from runtime.cuda_attention import DecodeAttention, PrefillAttention, PrefillGraphAttention
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
 from runtime.layers import TPGroup
@@ -124,17 +129,21 @@ class CudaGraphRunner:
         self.scale = spec.head_dim**-0.5
         self.num_q_heads = spec.num_heads // self.tp
         self.buckets = tuple(sorted(capacities.decode_batch_buckets))
+        self.prefill_buckets = tuple(sorted(capacities.prefill_chunk_sizes))
         self.max_tokens = max(capacities.max_step_tokens, capacities.max_batch)
         self.max_indices = capacities.max_batch * capacities.max_pages_per_seq
         self._alloc_static()
         reserve = self._profile() + options.reserve_margin_bytes
-        reserve += (len(self.buckets) + 1) * _WRAPPER_INT_WORKSPACE_BYTES
+        num_wrappers = len(self.buckets) + len(self.prefill_buckets) + 1
+        reserve += num_wrappers * _WRAPPER_INT_WORKSPACE_BYTES
         self.kv_plan = self._size_pool(self._kv_shape(1).bytes(self.dtype), reserve)
         self.pad_page = self.kv_plan.num_pages
         self.kv = KVCache(self._kv_shape(self.kv_plan.num_pages + 1), self.dtype, self.device)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
         self._decode: dict[int, DecodeAttention] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefill_attn: dict[int, PrefillGraphAttention] = {}
+        self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
             "KV pool: %d pages of %d tokens (%.1f GiB)",
             self.kv_plan.num_pages,
@@ -162,6 +171,9 @@ class CudaGraphRunner:
         self._copied.record()
         self._logits = torch.zeros(  # [max_batch, vocab] float32: the decode graphs' output
             (self.caps.max_batch, self.model.spec.vocab_size), dtype=torch.float32, device=dev
+        )
+        self._hidden = torch.zeros(  # [max_tokens, hidden]: the prefill graphs' output
+            (self.max_tokens, self.model.spec.hidden_size), dtype=self.dtype, device=dev
         )
         self._workspace = torch.zeros(self.options.workspace_bytes, dtype=torch.uint8, device=dev)
 
@@ -204,9 +216,38 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one decode graph per bucket, largest first, sharing one memory pool."""
+        """Capture one graph per prefill token bucket and per decode bucket, largest first,
+        sharing one memory pool (each writes its result to a static buffer, so no graph's
+        memory outlives its replay)."""
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved()
+        for tokens in sorted(self.prefill_buckets, reverse=True):
+            attn = PrefillGraphAttention(
+                self.kv,
+                tokens,
+                min(self.caps.max_batch, tokens),
+                self.caps.max_pages_per_seq,
+                self._workspace,
+                self._dev_i64[_PAGE, :tokens],
+                self._dev_i64[_SLOT, :tokens],
+                self.scale,
+                self.num_q_heads,
+            )
+            # FlashInfer sizes its graph-mode plan from this first one, which must have all
+            # `tokens` rows: sequences of at most max_seq_len tokens over the padding page.
+            lengths = [
+                min(self.caps.max_seq_len, tokens - start)
+                for start in range(0, tokens, self.caps.max_seq_len)
+            ]
+            dummy = [
+                SeqInput([0] * n, 0, [self.pad_page] * -(-n // self.page_size), False)
+                for n in lengths
+            ]
+            self._plan_prefill_graph(dummy, tokens, attn)
+            self._prefill_attn[tokens] = attn
+            self._prefill_graphs[tokens] = self._capture(
+                lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool
+            )
         for bucket in sorted(self.buckets, reverse=True):
             attn = DecodeAttention(
                 self.kv,
@@ -219,21 +260,30 @@ class CudaGraphRunner:
                 self.num_q_heads,
             )
             self._plan_decode([], bucket, attn)  # all padding rows
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self._decode_forward(bucket, attn)  # warm-up outside capture
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._decode_forward(bucket, attn)
-            self._decode[bucket], self._graphs[bucket] = attn, graph
+            self._decode[bucket] = attn
+            self._graphs[bucket] = self._capture(
+                lambda b=bucket, a=attn: self._decode_forward(b, a), pool
+            )
         torch.cuda.synchronize()
         log.info(
-            "captured decode graphs for batch buckets %s (%.0f MiB of graph memory)",
+            "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
+            "%s (%.0f MiB of graph memory)",
+            list(self.prefill_buckets),
             list(self.buckets),
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
+
+    @staticmethod
+    def _capture(forward, pool) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            forward()
+        return graph
 
     def feed(self, tokens: torch.Tensor) -> None:
         """Tokens (on this GPU, [n <= max_batch]) that later steps' rows name by
@@ -256,12 +306,12 @@ class CudaGraphRunner:
             raise RuntimeError("CudaGraphRunner.step before capture(); call capture() first.")
         if all(len(s.token_ids) == 1 for s in seqs):
             return self._decode_step(seqs)
-        return self.step_eager(seqs)
+        return self._prefill_step(seqs)
 
     @torch.inference_mode()
     def step_eager(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Any step through the eager prefill path (prefill chunks and mixed steps; tests use
-        it on decode steps as the unpadded, uncaptured counterpart of the graphs)."""
+        """Any step run eagerly and unpadded, FlashInfer's prefill planned for it alone: the
+        tests' uncaptured counterpart of the graphs."""
         return self._prefill_forward(seqs, self._prefill)
 
     def _decode_step(self, seqs: list[SeqInput]) -> torch.Tensor:
@@ -322,7 +372,54 @@ class CudaGraphRunner:
         fed = self._fed.index_select(0, fed_row.clamp(min=0))
         return torch.where(fed_row >= 0, fed, self._dev_i64[_IDS, :num_tokens])
 
+    def _prefill_step(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """A prefill or mixed step, replayed from the smallest token bucket that holds it."""
+        num_tokens = self._check_step(seqs)
+        tokens = next(b for b in self.prefill_buckets if b >= num_tokens)
+        attn = self._prefill_attn[tokens]
+        num_sample = self._plan_prefill_graph(seqs, tokens, attn)
+        self._prefill_graphs[tokens].replay()
+        return self._sampled_logits(self._hidden, num_sample)
+
+    def _plan_prefill_graph(
+        self, seqs: list[SeqInput], tokens: int, attn: PrefillGraphAttention
+    ) -> int:
+        """Stage a step padded to `tokens` rows and attn.batch sequences, plan its attention;
+        returns how many of its sequences sample."""
+        staged = self._stage(seqs, tokens, attn.batch, attn.indices_buf)
+        qo_indptr, kv_indptr, last_len, used, num_sample = staged
+        attn.plan(qo_indptr, kv_indptr, last_len, used)
+        return num_sample
+
+    def _prefill_graph_forward(self, tokens: int, attn: PrefillGraphAttention) -> None:
+        """The captured region of a prefill graph: static inputs in, static hidden states out."""
+        hidden = self.model(self._token_ids(tokens), self._dev_i64[_POS, :tokens], attn)
+        self._hidden[:tokens].copy_(hidden)
+
     def _prefill_forward(self, seqs: list[SeqInput], attn: PrefillAttention) -> torch.Tensor:
+        num_tokens = self._check_step(seqs)
+        staged = self._stage(seqs, num_tokens, len(seqs), self._dev_i32)
+        qo_indptr, kv_indptr, last_len, used, num_sample = staged
+        dev = self._dev_i64
+        attn.plan(
+            torch.from_numpy(qo_indptr),
+            torch.from_numpy(kv_indptr),
+            self._dev_i32[:used],
+            torch.from_numpy(last_len),
+            dev[_PAGE, :num_tokens],
+            dev[_SLOT, :num_tokens],
+        )
+        hidden = self.model(self._token_ids(num_tokens), dev[_POS, :num_tokens], attn)
+        return self._sampled_logits(hidden, num_sample)
+
+    def _sampled_logits(self, hidden: torch.Tensor, num_sample: int) -> torch.Tensor:
+        """The LM head (run eagerly) over the rows staged as sampling rows."""
+        if not num_sample:  # every rank plans the same step, so all skip the LM head together
+            return torch.empty((0, self.model.spec.vocab_size), device=self.device)
+        rows = self._dev_i64[_SAMPLE, :num_sample]
+        return self.model.logits(hidden.index_select(0, rows))
+
+    def _check_step(self, seqs: list[SeqInput]) -> int:
         num_tokens = sum(len(s.token_ids) for s in seqs)
         if not seqs or num_tokens > self.caps.max_step_tokens or len(seqs) > self.caps.max_batch:
             raise BucketError(
@@ -330,11 +427,21 @@ class CudaGraphRunner:
                 f"package's capacities ({self.caps.max_batch} sequences, "
                 f"{self.caps.max_step_tokens} tokens per step)."
             )
+        return num_tokens
+
+    def _stage(
+        self, seqs: list[SeqInput], rows: int, batch: int, indices: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+        """Write a step's token rows (padded to `rows` with padding rows: token 0 at position
+        0, KV written to the padding page) and its sequences (padded to `batch` with empty
+        ones over the padding page) into the staging buffers, and copy them to the device:
+        the page indices into `indices`. Returns (qo_indptr, kv_indptr, last-page lengths,
+        number of page indices, number of sampling sequences)."""
         ps, st, idx = self.page_size, self._np_i64, self._np_i32
-        qo_indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
-        kv_indptr = np.zeros(len(seqs) + 1, dtype=np.int32)
-        last_len = np.zeros(len(seqs), dtype=np.int32)
-        self._copied.synchronize()
+        qo_indptr = np.zeros(batch + 1, dtype=np.int32)
+        kv_indptr = np.zeros(batch + 1, dtype=np.int32)
+        last_len = np.ones(batch, dtype=np.int32)
+        self._copied.synchronize()  # the previous step's copies have left the pinned buffers
         row = used = num_sample = 0
         for i, s in enumerate(seqs):
             n, ctx = len(s.token_ids), s.start_pos + len(s.token_ids)
@@ -350,22 +457,17 @@ class CudaGraphRunner:
                 st[_SAMPLE, num_sample], num_sample = row - 1, num_sample + 1
             qo_indptr[i + 1], kv_indptr[i + 1] = row, used
             last_len[i] = ctx - (num_pages - 1) * ps
+        if row < rows:  # (only graph steps pad: the start-up profile runs before pad_page)
+            st[_IDS, row:rows], st[_POS, row:rows], st[_FED, row:rows] = 0, 0, -1
+            st[_PAGE, row:rows], st[_SLOT, row:rows] = self.pad_page, 0
+        for i in range(len(seqs), batch):
+            idx[used] = self.pad_page
+            used += 1
+            qo_indptr[i + 1], kv_indptr[i + 1] = row, used
         self._dev_i64.copy_(self._host_i64, non_blocking=True)
-        self._dev_i32[:used].copy_(self._host_i32[:used], non_blocking=True)
+        indices[:used].copy_(self._host_i32[:used], non_blocking=True)
         self._copied.record()
-        dev = self._dev_i64
-        attn.plan(
-            torch.from_numpy(qo_indptr),
-            torch.from_numpy(kv_indptr),
-            self._dev_i32[:used],
-            torch.from_numpy(last_len),
-            dev[_PAGE, :num_tokens],
-            dev[_SLOT, :num_tokens],
-        )
-        hidden = self.model(self._token_ids(num_tokens), dev[_POS, :num_tokens], attn)
-        if not num_sample:  # every rank plans the same step, so all skip the LM head together
-            return torch.empty((0, self.model.spec.vocab_size), device=self.device)
-        return self.model.logits(hidden.index_select(0, dev[_SAMPLE, :num_sample]))
+        return qo_indptr, kv_indptr, last_len, used, num_sample
 
     def _check_pages(self, s: SeqInput, context_len: int) -> int:
         num_pages = -(-context_len // self.page_size)

@@ -102,6 +102,42 @@ def test_padding_never_changes_results(llama, report):
     assert err <= BF16_REL_TOL
 
 
+def test_prefill_graphs_match_the_eager_path(llama, report):
+    """Prefill and mixed steps replayed from the token-bucket graphs (padded rows, empty
+    sequences) agree with the same steps run eagerly and unpadded, within bf16 tolerance (other
+    attention schedules, GEMMs over more rows); scribbling over the padding page between two
+    identical replays changes nothing (bitwise)."""
+    _, spec, _, runner, _ = llama
+    tables = steps.page_tables(8, 512)
+    prompts = random_prompts(spec.vocab_size, lengths=(300, 7, 64, 5), seed=15)
+    history = steps.prefill(runner, prompts[:1], tables[:1], chunk=256)  # 300 cached tokens
+    shapes = {
+        "one prompt, 100 of bucket 128": [SeqInput(prompts[0][:100], 0, tables[1], True)],
+        "exactly a bucket (64)": [SeqInput(prompts[2], 0, tables[2], True)],
+        "chunk at 256 of a cached sequence": [SeqInput(prompts[0][256:], 256, tables[0], True)],
+        "mixed: 3 decode rows, a 7-token prompt, a non-sampling chunk": [
+            SeqInput([11], 300, tables[0], True),
+            SeqInput(prompts[1], 0, tables[3], True),
+            SeqInput([12], 0, tables[4], True),
+            SeqInput(prompts[2][:40], 0, tables[5], False),
+            SeqInput([13], 0, tables[6], True),
+        ],
+        "8 short prompts": [SeqInput(prompts[3], 0, tables[i], True) for i in range(8)],
+    }
+    worst = {}
+    for name, seqs in shapes.items():
+        eager = runner.step_eager(seqs).float().cpu()
+        graph = runner.step(seqs).float().cpu()
+        for layer in runner.kv.layers:
+            layer[runner.pad_page].normal_()
+        again = runner.step(seqs).float().cpu()
+        assert torch.equal(graph, again), name
+        assert graph.shape == eager.shape == (sum(s.sample for s in seqs), spec.vocab_size)
+        worst[name] = steps.rel_error(graph, eager)
+        assert worst[name] <= BF16_REL_TOL, name
+    report("prefill_graph_vs_eager", rel_err=worst, history_rows=len(history))
+
+
 @pytest.mark.parametrize("which", ["plain", "nccl"])
 def test_steady_state_allocates_no_gpu_memory(llama, report, which):
     """After warm-up, decode steps make no allocator call at all and eager prefill steps reuse
@@ -168,12 +204,12 @@ def test_fed_tokens_equal_host_tokens(llama):
             SeqInput([0], c + step, tab, True, fed_row=i)
             for i, (c, tab) in enumerate(zip(contexts, fed_tables))
         ]
-        # The last step mixes in a 2-token prefill chunk: the eager path feeds too.
+        # The last step mixes in a 2-token prefill chunk: the prefill graphs feed too.
         extra = [SeqInput([5, 6], 0, tables[0][-2:], False)] if step == 5 else []
         out = (runner.step(seqs + extra) if extra else runner.step(seqs)).float().cpu()
         if not extra:
             assert torch.equal(out, host)
-        else:  # eager kernels against the graph's: bf16 tolerance
+        else:  # the prefill graph's kernels against the decode graph's: bf16 tolerance
             assert steps.rel_error(out, host) <= BF16_REL_TOL
         fed = out.argmax(-1).cuda()
         tokens = host.argmax(-1).tolist()
