@@ -25,20 +25,9 @@ from orbit.cluster_up import RankStartError, UpOptions, up
 from orbit.fingerprint import HostFingerprint, Interface, Route
 from tests.cli import STATE_ARGS, orbit, state_dir  # noqa: F401
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
+from tests.two_host_cluster import hosts, package  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def hosts(ssh_hosts) -> list[TestHost]:  # noqa: F811
-    return ssh_hosts
-
-
-@pytest.fixture(scope="module")
-def package(tiny_checkpoints, package_cache) -> Path:
-    return package_cache(
-        tiny_checkpoints["llama"], 2, max_batch=8, kv_page_size=4, max_step_tokens=32
-    )
 
 
 def write_cluster(
