@@ -108,7 +108,7 @@ _IDS, _POS, _PAGE, _SLOT, _SAMPLE, _FED = range(6)
 
 
 class CudaGraphRunner:
-    """One rank's model on one GPU: decode from captured graphs, prefill eagerly."""
+    """One rank's model on one GPU: every step replayed from a captured graph."""
 
     def __init__(
         self,
@@ -201,7 +201,9 @@ class CudaGraphRunner:
         peak = torch.cuda.max_memory_allocated() - base
         del scratch, attn
         torch.cuda.empty_cache()
-        return 2 * peak  # eager steps at run time, plus the graphs' pool (decode steps are smaller)
+        # The graphs' pool holds about this peak (the largest prefill graph's activations;
+        # decode graphs are smaller), and the eager LM head and step_eager may need it again.
+        return 2 * peak
 
     def _size_pool(self, page_bytes: int, reserve_bytes: int) -> KVPoolPlan:
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
