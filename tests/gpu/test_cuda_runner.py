@@ -140,15 +140,15 @@ def test_prefill_graphs_match_the_eager_path(llama, report):
 
 @pytest.mark.parametrize("which", ["plain", "nccl"])
 def test_steady_state_allocates_no_gpu_memory(llama, report, which):
-    """After warm-up, decode steps make no allocator call at all and eager prefill steps reuse
-    cached blocks: reserved memory stays put. With NCCL, ProcessGroupNCCL holds an eager
-    collective's tensors until its watchdog sees the work finish, so allocated bytes are
-    compared on the plain runner only."""
+    """After warm-up, decode steps make no allocator call at all and prefill steps (a graph
+    replay, then the eager LM head) reuse cached blocks: reserved memory stays put. With NCCL,
+    ProcessGroupNCCL holds an eager collective's tensors until its watchdog sees the work
+    finish, so allocated bytes are compared on the plain runner only."""
     _, spec, _, with_nccl, plain = llama
     runner = plain if which == "plain" else with_nccl
     tables = steps.page_tables(8, 512)
     prompts = random_prompts(spec.vocab_size, lengths=(40,) * 8, seed=13)
-    steps.prefill(runner, prompts, tables)  # warm the eager path's cached blocks
+    steps.prefill(runner, prompts, tables)  # warm the eager LM head's cached blocks
     torch.cuda.synchronize()
     before = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())
     decode_allocs = 0
