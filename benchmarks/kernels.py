@@ -87,6 +87,75 @@ def bench_linear(name: str, m: int, bw: float) -> dict:
     return row
 
 
+# ---- Orbit's one-row GEMV (runtime/triton_kernels.py) -----------------------------------
+
+ROWS_SWEEP = [  # ("rows", BLOCK_N, num_warps, programs per SM)
+    ("rows", bn, w, p) for bn in (1, 2, 4) for w in (4, 8, 16) for p in (2, 4, 8)
+]
+
+
+def bench_gemv(name: str, bw: float) -> dict:
+    """cuBLAS against Orbit's one-row GEMV (runtime/triton_kernels.py `gemv_rows`: persistent,
+    the whole row a tile) over its tile sweep, and, for the products the model fuses, the
+    fused kernel against the unfused pair: down with the SiLU-mul before it, qkv and gate_up
+    with the add + RMSNorm before them."""
+    from runtime import cuda_ops, triton_kernels
+
+    n, k = LINEARS[name]
+    nbytes = n * k * 2
+    copies = copies_for(nbytes)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64 for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, ws[0]).float()
+    row = {"name": name, "weight_MB": nbytes / 1e6, "copy_rate_us": nbytes / bw * 1e6}
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    row["tiles"] = []
+
+    def time_tile(tile):
+        def call(w):
+            triton_kernels.gemv_rows(x, w, None, y, tile[1:])
+
+        try:
+            call(ws[0])
+            err = rel_err(y, ref)
+            us = graph_us([lambda w=w: call(w) for w in ws] * 4)
+        except Exception as e:  # a tile that does not compile (registers) is skipped
+            print(f"  {name} {tile}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            return
+        row["tiles"].append({"tile": tile, "us": us, "err": err})
+
+    for tile in ROWS_SWEEP:
+        if k <= 4096 or (tile[1] <= 2 and tile[2] >= 8):
+            time_tile(tile)
+    row["best"] = min(row["tiles"], key=lambda t: t["us"])
+    # The fused forms the model runs, with the tiles it uses, against the unfused kernels.
+    if name == "down":
+        gu = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16)
+        fused = [lambda w=w: cuda_ops.silu_and_mul_linear(gu, w) for w in ws]
+        unfused = [lambda w=w: F.linear(cuda_ops.silu_and_mul(gu), w) for w in ws]
+        err = rel_err(fused[0](), unfused[0]())
+    elif name in ("qkv", "gate_up"):
+        h, res = torch.randn(2, 1, k, device="cuda", dtype=torch.bfloat16)
+        nw = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+
+        a, r = h.clone(), res.clone()
+
+        def unfused_call(w):  # in place on a and r: values drift over the replays, time not
+            cuda_ops.fused_add_rms_norm(a, r, nw, 1e-5)
+            return F.linear(a, w)
+
+        fused = [lambda w=w: cuda_ops.norm_linear(h, res, nw, 1e-5, w, None)[0] for w in ws]
+        unfused = [lambda w=w: unfused_call(w) for w in ws]
+        err = rel_err(fused[0](), unfused[0]())
+    else:
+        return row
+    row["fused_us"] = graph_us(fused * 4)
+    row["unfused_us"] = graph_us(unfused * 4)
+    row["fused_err"] = err
+    return row
+
+
 # ---- decode attention ------------------------------------------------------------------
 
 
@@ -189,6 +258,24 @@ def main(argv=None) -> int:
                     flush=True,
                 )
                 save()
+    if "gemv" in parts:
+        result["gemv"] = []
+        for name in LINEARS:
+            r = bench_gemv(name, bw)
+            result["gemv"].append(r)
+            b = r["best"]
+            fused = (
+                f"  fused {r['fused_us']:6.1f} µs against {r['unfused_us']:6.1f} unfused"
+                f" (err {r['fused_err']:.1e})"
+                if "fused_us" in r
+                else ""
+            )
+            print(
+                f"gemv {name:>8} copy {r['copy_rate_us']:6.1f} µs  "
+                f"cuBLAS {r['cublas_us']:6.1f} µs  best {b['us']:6.1f} µs {b['tile']}{fused}",
+                flush=True,
+            )
+            save()
     if "attention" in parts:
         result["attention"] = []
         for b in (int(x) for x in args.batches.split(",")):

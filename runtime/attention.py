@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv_cache import KVCache
+from runtime.rope import apply_rope
 
 
 @dataclass
@@ -34,8 +35,10 @@ class ReferenceAttention:
         self.write_pages = torch.cat(pages) if pages else torch.empty(0, dtype=torch.long)
         self.write_offsets = torch.cat(offsets) if offsets else torch.empty(0, dtype=torch.long)
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: [T, hq, hd]; k, v: [T, hkv, hd] for this step's tokens. Returns [T, hq, hd]."""
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q: [T, hq, hd]; k, v: [T, hkv, hd] for this step's tokens, before RoPE; cos, sin:
+        [T, hd], their positions' rotation. Returns [T, hq, hd]."""
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = self.kv.layers[layer]
         cache[self.write_pages, 0, self.write_offsets] = k
         cache[self.write_pages, 1, self.write_offsets] = v

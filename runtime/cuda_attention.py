@@ -1,5 +1,5 @@
-"""Paged attention on the GPU through FlashInfer, with the `attend(layer, q, k, v)` method the
-model calls (the CPU path's ReferenceAttention has the same one).
+"""Paged attention on the GPU through FlashInfer, with the `attend(layer, q, k, v, cos, sin)`
+method the model calls (the CPU path's ReferenceAttention has the same one).
 
 - DecodeAttention: one per captured decode bucket. Its FlashInfer decode wrapper reads fixed
   metadata buffers (page indptr, indices, last-page lengths) that the runner refills before
@@ -20,8 +20,9 @@ model calls (the CPU path's ReferenceAttention has the same one).
 - PrefillAttention: eager, planned per step, the same kernels: the start-up profile and the
   tests' unpadded reference (CudaGraphRunner.step_eager).
 
-Both write the step's new k and v into the paged cache first (one Triton kernel per layer), at
-the (page, slot) pairs the runner put in its static write buffers, then attend over the cache.
+Each first rotates the step's q and k (RoPE) and writes k and v into the paged cache, one
+Triton kernel per layer, at the (page, slot) pairs the runner put in its static write buffers;
+then attends over the cache.
 """
 
 from __future__ import annotations
@@ -95,10 +96,13 @@ class DecodeAttention:
         )
         self._planned_indptr = indptr.copy()
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [bucket, hq, hd] contiguous; k, v [bucket, hkv, hd]. Returns [bucket, hq, hd]."""
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q [bucket, hq, hd]; k, v [bucket, hkv, hd]; cos, sin [bucket, hd]. Returns
+        [bucket, hq, hd]."""
         cache = self.kv.layers[layer]
-        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        q = cuda_ops.rope_and_store_kv(
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+        )
         return self.wrapper.run(q, cache)
 
 
@@ -160,11 +164,13 @@ class PrefillGraphAttention:
             q_data_type=self.kv.layers[0].dtype,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [tokens, hq, hd] contiguous; k, v [tokens, hkv, hd]. Returns [tokens, hq, hd],
-        whose padding rows hold whatever the graph's memory held."""
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q [tokens, hq, hd]; k, v [tokens, hkv, hd]; cos, sin [tokens, hd]. Returns
+        [tokens, hq, hd], whose padding rows hold whatever the graph's memory held."""
         cache = self.kv.layers[layer]
-        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        q = cuda_ops.rope_and_store_kv(
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+        )
         return self.wrapper.run(q, cache)
 
 
@@ -207,8 +213,10 @@ class PrefillAttention:
             q_data_type=self.kv.layers[0].dtype,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, hq, hd] contiguous; k, v [T, hkv, hd]. Returns [T, hq, hd]."""
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q [T, hq, hd]; k, v [T, hkv, hd]; cos, sin [T, hd]. Returns [T, hq, hd]."""
         cache = self.kv.layers[layer]
-        cuda_ops.store_kv(cache, k, v, self.write_pages, self.write_offsets)
+        q = cuda_ops.rope_and_store_kv(
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+        )
         return self.wrapper.run(q, cache)

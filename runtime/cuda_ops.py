@@ -1,6 +1,8 @@
 """Fused CUDA kernels behind the model's layers (runtime/layers.py picks them for half-precision
-CUDA tensors): FlashInfer's RMSNorm and fused add + RMSNorm, and Triton kernels for RoPE,
-SiLU-and-multiply and the paged KV write. FlashInfer and Triton are imported on first use, so
+CUDA tensors) and the attention classes: FlashInfer's RMSNorm and fused add + RMSNorm, and
+Triton kernels for RoPE with the paged KV write, SiLU-and-multiply, and the one-row products
+of decode at batch 1 (GEMVs, with the add + RMSNorm before qkv and gate_up and the SiLU-mul
+before down fused in). FlashInfer and Triton are imported on first use, so
 this module loads on machines that have neither (the CPU reference path never calls it).
 
 Each function allocates its output with the caching allocator; inside a captured CUDA graph
@@ -10,6 +12,7 @@ that memory comes from the graph's pool, so replays allocate nothing.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,18 +31,25 @@ def fused_add_rms_norm(
     fused_add_rmsnorm(x, residual, weight, eps)
 
 
-def rope_qk(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, hq, hd], k [T, hkv, hd] (views of the fused qkv output) -> rotated contiguous
-    copies, which is also the layout FlashInfer's attention reads q in."""
+def rope_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    pages: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """RoPE on q [T, hq, hd] and k [T, hkv, hd] (views of the fused qkv output); the rotated k
+    and v [T, hkv, hd] go into cache [P, 2, page_size, hkv, hd] at (pages[t], offsets[t]).
+    Returns the rotated q, contiguous: the layout FlashInfer's attention reads. One kernel."""
     from runtime import triton_kernels
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if q.shape[0]:
-        triton_kernels.rope(q, k, q_out, k_out, cos, sin)
-    return q_out, k_out
+        triton_kernels.rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets)
+    return q_out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -53,15 +63,69 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def store_kv(
-    cache: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    pages: torch.Tensor,
-    offsets: torch.Tensor,
-) -> None:
-    """Write k, v [T, hkv, hd] into cache [P, 2, page_size, hkv, hd] at (pages[t], offsets[t])."""
+def _one_row(x: torch.Tensor) -> bool:
+    """A decode step of one sequence: its products are GEMVs, which Orbit's kernels run at the
+    weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv)."""
+    return x.shape[0] == 1 and x.is_contiguous()
+
+
+def _rows_tile(n: int, k: int) -> tuple[int, int, int]:
+    """(rows per block, warps, programs per SM) of the GEMV: the best of the H200 sweep over
+    the 8B shapes (benchmarks/kernels.py --part gemv): two rows a block, four programs of 8
+    warps per SM, except for long rows (down), one row a block and two programs per SM."""
+    return (1, 8, 2) if k > 4096 else (2, 8, 4)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T (+ bias): one row through Orbit's GEMV, more through cuBLAS."""
+    if not _one_row(x):
+        return F.linear(x, w, bias)
     from runtime import triton_kernels
 
-    if k.shape[0]:
-        triton_kernels.store_kv(cache, k, v, pages, offsets)
+    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+    triton_kernels.gemv_rows(x, w, bias, out, _rows_tile(*w.shape))
+    return out
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul(gate_up) @ w^T; one row in one kernel."""
+    if not _one_row(gate_up):
+        return F.linear(silu_and_mul(gate_up), w)
+    from runtime import triton_kernels
+
+    out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
+    triton_kernels.gemv_rows(gate_up, w, None, out, _rows_tile(*w.shape), silu_mul=True)
+    return out
+
+
+def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether norm_linear takes these: one row, contiguous."""
+    return _one_row(x) and (residual is None or residual.is_contiguous())
+
+
+def norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(s) * norm_weight) @ w^T (+ bias) and s = x + residual (s = x when residual is
+    None), for one row, in one kernel: every program of the GEMV normalises the row itself."""
+    from runtime import triton_kernels
+
+    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+    stream = torch.empty_like(x) if residual is not None else None
+    triton_kernels.gemv_rows(
+        x,
+        w,
+        bias,
+        out,
+        _rows_tile(*w.shape),
+        norm_weight=norm_weight,
+        eps=eps,
+        residual=residual,
+        residual_out=stream,
+    )
+    return out, (x if stream is None else stream)

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime import cuda_ops
-from runtime.rope import apply_rope
 
 
 def _fused_kernels(x: torch.Tensor) -> bool:
@@ -77,19 +76,21 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """RoPE on q [T, hq, hd] and k [T, hkv, hd]; cos, sin [T, hd]. Returns new (q, k)."""
-    if _fused_kernels(q):
-        return cuda_ops.rope_qk(q, k, cos, sin)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] holding [gate | up] -> silu(gate) * up, [T, I]."""
     if _fused_kernels(gate_up):
         return cuda_ops.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
+    """linear(norm(s)) and the stream s = x + residual (s = x when residual is None); on the
+    CUDA path a single row takes one kernel for the add, the norm and the product."""
+    if _fused_kernels(x) and cuda_ops.fuses_norm(x, residual):
+        return cuda_ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
+    h, residual = norm.add_forward(x, residual)
+    return linear(h), residual
 
 
 class Linear(nn.Module):
@@ -101,6 +102,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_kernels(x):
+            return cuda_ops.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -112,7 +115,15 @@ class RowParallelLinear(Linear):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_kernels(x):
+            return self.group.all_reduce(cuda_ops.linear(x, self.weight, None))
         return self.group.all_reduce(F.linear(x, self.weight))
+
+    def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)), in one kernel where the CUDA path has one."""
+        if _fused_kernels(gate_up):
+            return self.group.all_reduce(cuda_ops.silu_and_mul_linear(gate_up, self.weight))
+        return self(silu_and_mul(gate_up))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -144,5 +155,8 @@ class ParallelLMHead(nn.Module):
         self.vocab_size, self.group = vocab_size, group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.group.all_gather_last_dim(F.linear(x, self.weight))
+        local = (
+            cuda_ops.linear(x, self.weight, None) if _fused_kernels(x) else F.linear(x, self.weight)
+        )
+        logits = self.group.all_gather_last_dim(local)
         return logits[..., : self.vocab_size]  # [num_tokens, vocab]

@@ -2,13 +2,14 @@
 
 Reads like the architecture; the tensor-parallel collectives are the all-reduces inside
 RowParallelLinear and VocabParallelEmbedding and the all-gather inside ParallelLMHead.
-Attention goes through the step's attention object (ReferenceAttention on CPU, the FlashInfer
-ones of runtime/cuda_attention.py on GPU).
+Attention, RoPE included, goes through the step's attention object (ReferenceAttention on
+CPU, the FlashInfer ones of runtime/cuda_attention.py on GPU).
 
 The residual stream is carried beside each layer's output, so that every "add the residual,
-then normalise" pair is one call (one kernel on CUDA): layer i returns (its MLP output, the
-stream before that output), and layer i+1's attn_norm.add_forward adds them. The sums are the
-same ones, in the same precision, as h = x + attn(norm(x)); h + mlp(norm(h)).
+normalise, project" triple is one call, norm_linear (one kernel on CUDA for a single row, the
+fused add + norm kernel then the GEMM for more): layer i returns (its MLP output, the stream
+before that output), and layer i+1 adds them. The sums are the same ones, in the same
+precision, as h = x + attn(norm(x)); h + mlp(norm(h)).
 """
 
 from __future__ import annotations
@@ -23,8 +24,7 @@ from runtime.layers import (
     RowParallelLinear,
     TPGroup,
     VocabParallelEmbedding,
-    rotary,
-    silu_and_mul,
+    norm_linear,
 )
 from runtime.rope import cos_sin_table
 from runtime.spec import ModelSpec
@@ -53,14 +53,15 @@ class DecoderLayer(nn.Module):
     def forward(self, x, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embedding, with residual None, for layer 0);
         residual: the stream before it. Returns (this layer's MLP output, the stream before it)."""
-        x, residual = self.attn_norm.add_forward(x, residual)
-        x = self.attention(x, cos, sin, attn)
-        x, residual = self.mlp_norm.add_forward(x, residual)
-        return self.mlp(x), residual
+        qkv, residual = norm_linear(self.attn_norm, self.qkv, x, residual)
+        x = self.attention(qkv, cos, sin, attn)
+        gate_up, residual = norm_linear(self.mlp_norm, self.gate_up, x, residual)
+        return self.down.after_silu_and_mul(gate_up), residual
 
-    def attention(self, x, cos, sin, attn) -> torch.Tensor:
-        n, hd = x.shape[0], self.head_dim
-        q, k, v = self.qkv(x).split(
+    def attention(self, qkv, cos, sin, attn) -> torch.Tensor:
+        """qkv: this layer's fused q, k, v projection of the normalised stream."""
+        n, hd = qkv.shape[0], self.head_dim
+        q, k, v = qkv.split(
             [self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], dim=-1
         )
         q = q.view(n, self.num_heads, hd)
@@ -68,12 +69,8 @@ class DecoderLayer(nn.Module):
         v = v.view(n, self.num_kv_heads, hd)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, cos, sin)
-        o = attn.attend(self.index, q, k, v)  # [n, heads, hd]
+        o = attn.attend(self.index, q, k, v, cos, sin)  # RoPE, then attention: [n, heads, hd]
         return self.o(o.reshape(n, self.num_heads * hd))
-
-    def mlp(self, x) -> torch.Tensor:
-        return self.down(silu_and_mul(self.gate_up(x)))
 
 
 class Transformer(nn.Module):
@@ -117,6 +114,9 @@ def build_model(
     if spec.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["embed.weight"]
     model.load_state_dict(tensors, strict=True, assign=True)
+    # The tables in the weights' dtype: a step gathers its rows without a cast kernel, and
+    # the values are those a per-step cast of the float32 rows gives.
     cos, sin = cos_sin_table(spec, max_positions)
-    model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
+    dtype = tensors["embed.weight"].dtype
+    model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
     return model.eval()

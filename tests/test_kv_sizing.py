@@ -11,8 +11,13 @@ MIB = 1 << 20
 
 
 def test_pages_are_the_fraction_of_what_is_left_minus_the_padding_page():
-    plan = plan_kv_pool(page_bytes=2 * MIB, free_bytes=1000 * MIB, reserve_bytes=200 * MIB,
-                        fraction=0.5, min_pages=10)
+    plan = plan_kv_pool(
+        page_bytes=2 * MIB,
+        free_bytes=1000 * MIB,
+        reserve_bytes=200 * MIB,
+        fraction=0.5,
+        min_pages=10,
+    )
     assert plan.num_pages == (800 * MIB // 2) // (2 * MIB) - 1  # 199
     assert plan.pool_bytes == 400 * MIB  # the padding page included
     assert (plan.free_bytes, plan.reserve_bytes, plan.fraction) == (1000 * MIB, 200 * MIB, 0.5)

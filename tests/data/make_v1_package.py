@@ -32,14 +32,25 @@ def main() -> None:
         work / "ckpt"
     )
     torch.manual_seed(7)
-    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, vocab_size=64,
-                         max_position_embeddings=128, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(work / "ckpt")
     shutil.rmtree(OUT, ignore_errors=True)
-    prepare_package(work / "ckpt", OUT, PrepareOptions(tp=2, max_batch=4, kv_page_size=4,
-                                                       max_step_tokens=32), progress=False)
+    prepare_package(
+        work / "ckpt",
+        OUT,
+        PrepareOptions(tp=2, max_batch=4, kv_page_size=4, max_step_tokens=32),
+        progress=False,
+    )
     prompt = [1, 17, 5, 42, 9, 33, 60, 3]
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]

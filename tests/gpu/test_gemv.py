@@ -1,0 +1,71 @@
+"""Orbit's one-row GEMV kernels (runtime/cuda_ops.py, runtime/triton_kernels.py) against
+float32 PyTorch of the same bf16 inputs: plain, with bias, SiLU-mul fused before the product,
+add + RMSNorm fused before it. Shapes include rows that do not fill a block and rows shorter
+than a chunk, as the SmolLM2 and odd TP slices give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU (run through the device tool)", allow_module_level=True)
+
+from runtime import cuda_ops
+from tests.gpu.steps import rel_error
+
+# (N, K): the 8B-architecture qkv and down, SmolLM2's qkv, and odd sizes.
+SHAPES = [(6144, 4096), (4096, 14336), (960, 576), (1001, 3000), (3, 64)]
+TOL = 1e-2  # both sides round the product to bf16 once; the sums differ in order only
+
+
+def _inputs(n: int, k: int, seed: int):
+    g = torch.Generator("cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    return g, w, x
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_linear_matches_float32(n, k):
+    g, w, x = _inputs(n, k, 1)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    for b in (None, bias):
+        got = cuda_ops.linear(x, w, b)
+        ref = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        assert got.shape == (1, n) and got.dtype == torch.bfloat16
+        assert rel_error(got.float(), ref) <= TOL
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_silu_and_mul_linear_matches_float32(n, k):
+    g, w, _ = _inputs(n, k, 2)
+    gate_up = torch.randn(1, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+    act = torch.nn.functional.silu(gate_up[:, :k].float()) * gate_up[:, k:].float()
+    ref = act.to(torch.bfloat16).float() @ w.float().T
+    assert rel_error(cuda_ops.silu_and_mul_linear(gate_up, w).float(), ref) <= TOL
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_norm_linear_matches_float32(n, k):
+    g, w, x = _inputs(n, k, 3)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    x_before, residual_before = x.clone(), residual.clone()
+    for res in (None, residual):
+        out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
+        s = x.float() + (0 if res is None else res.float())
+        normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
+        ref = normed.to(torch.bfloat16).float() @ w.float().T
+        assert rel_error(out.float(), ref) <= TOL
+        assert torch.equal(stream, s.to(torch.bfloat16))  # the stream, rounded once
+    # The inputs stay as they were: the new stream is a new tensor.
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def test_two_rows_take_cublas_and_agree():
+    _, w, _ = _inputs(512, 256, 4)
+    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+    rows = torch.cat([cuda_ops.linear(x[i : i + 1], w, None) for i in range(2)])
+    assert torch.equal(cuda_ops.linear(x, w, None), torch.nn.functional.linear(x, w))
+    assert rel_error(rows.float(), torch.nn.functional.linear(x, w).float()) <= TOL
