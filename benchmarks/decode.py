@@ -160,11 +160,12 @@ def build_runner(spec, tensors, args):
     from runtime.model import build_model
     from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 
+    max_batch = max(int(b) for b in args.batches.split(","))
     caps = Capacities(
         max_seq_len=4096,
-        max_batch=max(int(b) for b in args.batches.split(",")),
+        max_batch=max_batch,
         kv_page_size=16,
-        decode_batch_buckets=default_decode_buckets(256),
+        decode_batch_buckets=default_decode_buckets(max_batch),
         prefill_chunk_sizes=default_prefill_chunks(2048),
     )
     model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda")

@@ -1,8 +1,9 @@
 """Kernel-level comparisons behind the CUDA path's choices, on the Llama-3.1-8B shapes (TP 1):
-the decode-sized linear layers (cuBLAS against the copy rate) and paged decode attention
-(FlashInfer's CUDA-core and tensor-core variants).
+the decode-sized linear layers (cuBLAS against the copy rate), Orbit's one-row GEMV, paged
+decode attention (FlashInfer's CUDA-core and tensor-core variants), and a layer's whole decode
+attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel.
 
-    python -m benchmarks.kernels --out DIR [--part linear,attention]
+    python -m benchmarks.kernels --out DIR [--part linear,gemv,attention,decode]
 
 Every kernel is timed inside a CUDA graph of many calls (as the decode graph runs them), over
 enough distinct weight / KV copies that nothing is served from the 50 MB L2 cache. Results:
@@ -226,6 +227,90 @@ def bench_attention(batch: int, context: int, layers: int, variants: list[str], 
     return row
 
 
+FUSED_CONFIGS = [  # (tokens per block, minimum tokens per split, warps) of decode_attention
+    (64, 128, 8),
+    (64, 64, 8),
+    (32, 128, 8),
+    (64, 256, 8),
+    (32, 64, 8),
+]
+
+
+def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict:
+    """A layer's whole decode attention as the decode graph runs it: FlashInfer's path
+    (RoPE + KV write kernel, tensor-core decode, split merge; DecodeAttention) against Orbit's
+    one kernel (FusedDecodeAttention) in each FUSED_CONFIGS tile, at `context` tokens a row."""
+    from flashinfer import BatchDecodeWithPagedKVCacheWrapper
+
+    from runtime import cuda_ops, triton_kernels
+
+    page = 16
+    pages_per_seq = -(-context // page)
+    num_pages = batch * pages_per_seq
+    dev = "cuda"
+    caches = [
+        torch.randn(num_pages, 2, page, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+        for _ in range(layers)
+    ]
+    qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    q = qkv[:, : HEADS * HEAD_DIM].view(batch, HEADS, HEAD_DIM)
+    k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(batch, KV_HEADS, HEAD_DIM)
+    v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(batch, KV_HEADS, HEAD_DIM)
+    angle = torch.rand(batch, HEAD_DIM, device=dev) * 6.28
+    cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
+    last_len = context - (pages_per_seq - 1) * page
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
+    last = torch.full((batch,), last_len, dtype=torch.int32)
+    indices = torch.arange(num_pages, dtype=torch.int32, device=dev)
+    write_pages = (torch.arange(batch, device=dev) + 1) * pages_per_seq - 1
+    write_offsets = torch.full((batch,), last_len - 1, dtype=torch.int64, device=dev)
+    scale = HEAD_DIM**-0.5
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
+    row = {"batch": batch, "context": context, "kv_MB_per_layer": kv_bytes / 1e6}
+
+    workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+    w = BatchDecodeWithPagedKVCacheWrapper(
+        workspace,
+        "NHD",
+        use_cuda_graph=True,
+        use_tensor_cores=True,
+        paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=dev),
+        paged_kv_indices_buffer=indices,
+        paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev),
+        backend="fa2",
+    )
+    w.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, q_data_type=torch.bfloat16)
+
+    def flashinfer(c):
+        rotated = cuda_ops.rope_and_store_kv(q, k, v, cos, sin, c, write_pages, write_offsets)
+        return w.run(rotated, c)
+
+    ref = flashinfer(caches[0])
+    row["flashinfer_us"] = graph_us([lambda c=c: flashinfer(c) for c in caches])
+    splits = triton_kernels.decode_splits(batch, KV_HEADS, torch.device(dev))
+    work = triton_kernels.decode_workspace(
+        batch, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, splits, dev
+    )
+    dev_indptr, dev_last = indptr.to(dev), last.to(dev)
+    out = torch.empty(batch, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    row["splits"], row["fused"] = splits, []
+    for block_t, min_chunk, warps in FUSED_CONFIGS:
+
+        def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
+            triton_kernels.decode_attention(
+                q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
+                write_offsets, out, work, scale, splits, block_t, min_chunk, warps,
+            )  # fmt: skip
+
+        fused(caches[0])
+        err = rel_err(out, ref)
+        us = graph_us([lambda c=c: fused(c) for c in caches])
+        row["fused"].append({"tile": [block_t, min_chunk, warps], "us": us, "err": err})
+    row["best"] = min(row["fused"], key=lambda r: r["us"])
+    row["copy_rate_us"] = kv_bytes / bw * 1e6
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
@@ -290,6 +375,21 @@ def main(argv=None) -> int:
             )
             print(
                 f"attention b={b} copy-rate {r['copy_rate_us_per_layer']:.1f} µs  {cells}",
+                flush=True,
+            )
+            save()
+    if "decode" in parts:
+        result["decode"] = []
+        cases = [(b, 512) for b in (1, 2, 4, 8, 16, 32, 64)] + [(1, 2048), (1, 8192), (8, 4096)]
+        for b, ctx in cases:
+            r = bench_fused_decode(b, ctx, 32, bw)
+            result["decode"].append(r)
+            best = r["best"]
+            print(
+                f"decode attention b={b} ctx={ctx} copy-rate {r['copy_rate_us']:.1f} µs  "
+                f"FlashInfer {r['flashinfer_us']:.1f} µs  fused {best['us']:.1f} µs "
+                f"{best['tile']} (err {best['err']:.1e}, splits {r['splits']})  all "
+                + " ".join(f"{x['us']:.1f}" for x in r["fused"]),
                 flush=True,
             )
             save()

@@ -1,6 +1,13 @@
-"""Paged attention on the GPU through FlashInfer, with the `attend(layer, q, k, v, cos, sin)`
-method the model calls (the CPU path's ReferenceAttention has the same one).
+"""Paged attention on the GPU, with the `attend(layer, q, k, v, cos, sin)` method the model
+calls (the CPU path's ReferenceAttention has the same one).
 
+- FusedDecodeAttention: one per captured decode bucket of at most FUSED_DECODE_MAX_BUCKET rows.
+  Orbit's own Triton kernel (triton_kernels.decode_attention) does a layer's RoPE, the new
+  token's KV write and the split-KV attention with its merge in one launch, where the
+  FlashInfer path below takes three (RoPE + KV write, attention, merge): at small batches the
+  step is latency-bound, and each launch costs more than the KV it reads. It reads the same
+  fixed page buffers as DecodeAttention, and it plans nothing on the host: each program derives
+  its slice of the context from the row's length.
 - DecodeAttention: one per captured decode bucket. Its FlashInfer decode wrapper reads fixed
   metadata buffers (page indptr, indices, last-page lengths) that the runner refills before
   every replay; the kernels captured in the graph read them in place. FlashInfer's plan (how
@@ -33,10 +40,72 @@ import torch
 from runtime import cuda_ops
 from runtime.kv_cache import KVCache
 
+# Decode buckets up to this many rows run FusedDecodeAttention (the H200 measurement in
+# docs/performance.md); larger ones, where FlashInfer's tensor-core kernels win, DecodeAttention.
+FUSED_DECODE_MAX_BUCKET = 8
+
 
 def prefill_backend(device: torch.device) -> str:
     """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere."""
     return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+
+
+class FusedDecodeAttention:
+    """Decode attention for a batch bucket of `bucket` rows, one new token each, in one kernel
+    a layer."""
+
+    def __init__(
+        self,
+        kv: KVCache,
+        bucket: int,
+        max_pages_per_seq: int,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+        scale: float,
+        num_q_heads: int,
+    ):
+        from runtime import triton_kernels
+
+        device = write_pages.device
+        s = kv.shape
+        self.kv, self.bucket, self.scale = kv, bucket, scale
+        self.write_pages, self.write_offsets = write_pages, write_offsets  # [bucket] int64 views
+        # Filled by the runner before every replay: [bucket + 1], [bucket * pages], [bucket]
+        self.indptr_buf = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
+        self.indices_buf = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=device)
+        self.last_len_buf = torch.ones(bucket, dtype=torch.int32, device=device)
+        self.splits = triton_kernels.decode_splits(bucket, s.kv_heads, device)
+        self.workspace = triton_kernels.decode_workspace(
+            bucket, s.kv_heads, num_q_heads // s.kv_heads, s.head_dim, self.splits, device
+        )
+
+    def plan(self, indptr: np.ndarray, num_indices: int, last_page_len: np.ndarray) -> None:
+        """Nothing to plan: the kernel reads the row lengths from the device buffers."""
+
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q [bucket, hq, hd]; k, v [bucket, hkv, hd]; cos, sin [bucket, hd]. Returns
+        [bucket, hq, hd]."""
+        from runtime import triton_kernels
+
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        triton_kernels.decode_attention(
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            self.kv.layers[layer],
+            self.indptr_buf,
+            self.indices_buf,
+            self.last_len_buf,
+            self.write_pages,
+            self.write_offsets,
+            out,
+            self.workspace,
+            self.scale,
+            self.splits,
+        )
+        return out
 
 
 class DecodeAttention:
@@ -77,16 +146,20 @@ class DecodeAttention:
         )
 
     def plan(self, indptr: np.ndarray, num_indices: int, last_page_len: np.ndarray) -> None:
-        """Outside the graph, after the runner queued this step's page indices into
-        indices_buf and last-page lengths into last_len_buf. indptr [bucket + 1] and
-        last_page_len [bucket] int32 on the host."""
+        """Outside the graph, after the runner queued this step's page indices, indptr and
+        last-page lengths into the buffers. indptr [bucket + 1] and last_page_len [bucket]
+        int32 on the host."""
         if self._planned_indptr is not None and np.array_equal(indptr, self._planned_indptr):
             return  # same page counts: the split planned last time still holds
         s = self.kv.shape
+        # Copies: indptr and last_page_len are views of the runner's pinned staging buffer,
+        # which the next step overwrites; from pinned memory the wrapper's copies would be
+        # asynchronous and could read the next step's values. From pageable memory they are
+        # staged at once.
         self.wrapper.plan(
-            torch.from_numpy(indptr),
+            torch.from_numpy(indptr.copy()),
             self.indices_buf[:num_indices],
-            torch.from_numpy(last_page_len),
+            torch.from_numpy(last_page_len.copy()),
             self.num_q_heads,
             s.kv_heads,
             s.head_dim,

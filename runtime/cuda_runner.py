@@ -22,8 +22,9 @@ Start-up (build_cuda_runner below does all of it for a rank, in this order):
 A decode step (every sequence brings one token) pads the batch to the smallest bucket that
 holds it, writes the inputs (token ids, positions, KV write slots, page tables) into pinned
 staging buffers, copies them to the device asynchronously (the whole small int64 staging
-buffer in one copy: a strided slice would need temporaries), plans the bucket's FlashInfer
-decode wrapper on the host when its page counts changed, and replays the bucket's graph.
+buffer in one copy: a strided slice would need temporaries), plans the bucket's attention
+(FlashInfer's decode wrapper, on the host, when its page counts changed; Orbit's fused kernel
+for small buckets plans nothing) and replays the bucket's graph.
 Padding rows read token 0 at position 0 and write their KV into the runner's own padding
 page (page id `kv_plan.num_pages`, never handed to the scheduler), so they never touch a real
 sequence's cache; every kernel works row by row (GEMMs, norms, attention), so padding rows
@@ -53,7 +54,13 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime.cuda_attention import DecodeAttention, PrefillAttention, PrefillGraphAttention
+from runtime.cuda_attention import (
+    FUSED_DECODE_MAX_BUCKET,
+    DecodeAttention,
+    FusedDecodeAttention,
+    PrefillAttention,
+    PrefillGraphAttention,
+)
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
 from runtime.layers import TPGroup
@@ -140,7 +147,7 @@ class CudaGraphRunner:
         self.pad_page = self.kv_plan.num_pages
         self.kv = KVCache(self._kv_shape(self.kv_plan.num_pages + 1), self.dtype, self.device)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
-        self._decode: dict[int, DecodeAttention] = {}
+        self._decode: dict[int, DecodeAttention | FusedDecodeAttention] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -159,9 +166,10 @@ class CudaGraphRunner:
     def _alloc_static(self) -> None:
         dev = self.device
         self._host_i64 = torch.zeros((6, self.max_tokens), dtype=torch.int64, pin_memory=True)
-        # [page indices (max_indices) | last-page lengths of a decode batch (max_batch)]
+        # [page indices (max_indices) | last-page lengths of a decode batch (max_batch) |
+        #  its page indptr (max_batch + 1)]
         self._host_i32 = torch.zeros(
-            self.max_indices + self.caps.max_batch, dtype=torch.int32, pin_memory=True
+            self.max_indices + 2 * self.caps.max_batch + 1, dtype=torch.int32, pin_memory=True
         )
         self._np_i64, self._np_i32 = self._host_i64.numpy(), self._host_i32.numpy()
         self._dev_i64 = torch.zeros((6, self.max_tokens), dtype=torch.int64, device=dev)
@@ -251,16 +259,23 @@ class CudaGraphRunner:
                 lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool
             )
         for bucket in sorted(self.buckets, reverse=True):
-            attn = DecodeAttention(
-                self.kv,
-                bucket,
-                self.caps.max_pages_per_seq,
-                self._workspace,
-                self._dev_i64[_PAGE, :bucket],
-                self._dev_i64[_SLOT, :bucket],
-                self.scale,
-                self.num_q_heads,
-            )
+            pages, slots = self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket]
+            max_pages = self.caps.max_pages_per_seq
+            if bucket <= FUSED_DECODE_MAX_BUCKET:
+                attn = FusedDecodeAttention(
+                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads
+                )
+            else:
+                attn = DecodeAttention(
+                    self.kv,
+                    bucket,
+                    max_pages,
+                    self._workspace,
+                    pages,
+                    slots,
+                    self.scale,
+                    self.num_q_heads,
+                )
             self._plan_decode([], bucket, attn)  # all padding rows
             self._decode[bucket] = attn
             self._graphs[bucket] = self._capture(
@@ -332,14 +347,19 @@ class CudaGraphRunner:
         rows = [i for i, s in enumerate(seqs) if s.sample]
         return self._logits[rows]
 
-    def _plan_decode(self, seqs: list[SeqInput], bucket: int, attn: DecodeAttention) -> None:
-        """Stage one decode batch padded to `bucket` rows, copy it to the device (page indices
-        and last-page lengths straight into the bucket's attention buffers), plan attention."""
+    def _plan_decode(
+        self, seqs: list[SeqInput], bucket: int, attn: DecodeAttention | FusedDecodeAttention
+    ) -> None:
+        """Stage one decode batch padded to `bucket` rows, copy it to the device (page indices,
+        indptr and last-page lengths straight into the bucket's attention buffers), plan
+        attention."""
         ps, st, idx = self.page_size, self._np_i64, self._np_i32
-        indptr = np.zeros(bucket + 1, dtype=np.int32)
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        last_len = self._np_i32[self.max_indices : self.max_indices + bucket]
+        at_len, at_ptr = self.max_indices, self.max_indices + self.caps.max_batch
+        last_len = self._np_i32[at_len : at_len + bucket]
         last_len[:] = 1
+        indptr = self._np_i32[at_ptr : at_ptr + bucket + 1]
+        indptr[0] = 0
         used = 0
         for i, s in enumerate(seqs):
             pos = s.start_pos
@@ -357,12 +377,12 @@ class CudaGraphRunner:
             indptr[i + 1] = used
         self._dev_i64.copy_(self._host_i64, non_blocking=True)
         attn.indices_buf[:used].copy_(self._host_i32[:used], non_blocking=True)
-        last_len_host = self._host_i32[self.max_indices : self.max_indices + bucket]
-        attn.last_len_buf.copy_(last_len_host, non_blocking=True)
+        attn.last_len_buf.copy_(self._host_i32[at_len : at_len + bucket], non_blocking=True)
+        attn.indptr_buf.copy_(self._host_i32[at_ptr : at_ptr + bucket + 1], non_blocking=True)
         self._copied.record()
         attn.plan(indptr, used, last_len)
 
-    def _decode_forward(self, bucket: int, attn: DecodeAttention) -> None:
+    def _decode_forward(self, bucket: int, attn: DecodeAttention | FusedDecodeAttention) -> None:
         """The captured region: static inputs in, the static logits buffer out."""
         ids = self._token_ids(bucket)
         hidden = self.model(ids, self._dev_i64[_POS, :bucket], attn)

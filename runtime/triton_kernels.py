@@ -114,6 +114,309 @@ def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets) -> None:
 
 
 @triton.jit
+def _decode_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    cache_ptr,
+    indptr_ptr,
+    indices_ptr,
+    last_len_ptr,
+    pages_ptr,
+    offsets_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    count_ptr,
+    q_stride_t,
+    q_stride_h,
+    k_stride_t,
+    k_stride_h,
+    v_stride_t,
+    v_stride_h,
+    cs_stride_t,
+    page_stride,
+    kv_stride,
+    slot_stride,
+    scale_log2,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    MERGE: tl.constexpr,
+    MERGE_G: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # One program per (row b, kv head h, split s): the GROUP query heads that share kv head h
+    # attend over one chunk of row b's cached context. The context before the new token
+    # (positions < L - 1) was written by earlier steps, so its first block is requested before
+    # griddepcontrol.wait; the new token's k and v come from this step's qkv, are rotated
+    # (NeoX halves, as _rope_store_kv_kernel) and written to the cache by the last split, which
+    # starts its softmax state from them. Splits keep running (max, sum, acc) states; with more
+    # than one, each stores its state and the last to finish (an acq_rel counter per (b, h))
+    # merges them, so there is no second kernel. Queries, keys and values are kept as their two
+    # halves [.., HALF] throughout, the layout RoPE needs; the GROUP query heads are padded to
+    # BLOCK_G >= 16 rows so that q k^T and p v run as tensor-core tiles.
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < GROUP
+    e = tl.arange(0, BLOCK_H)
+    e_ok = e < HALF
+    t = tl.arange(0, BLOCK_T)
+    first_page = tl.load(indptr_ptr + b)
+    num_pages = tl.load(indptr_ptr + b + 1) - first_page
+    length = (num_pages - 1) * PAGE_SIZE + tl.load(last_len_ptr + b)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_T) * BLOCK_T, MIN_CHUNK)
+    active = tl.cdiv(length, chunk)
+    lo = s * chunk
+    hi = tl.minimum(lo + chunk, length - 1)  # cached positions of this split: [lo, hi)
+    if lo < length:
+        head_off = h * 2 * HALF
+        pos = lo + t
+        ok = pos < hi
+        page = tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=ok, other=0)
+        base = cache_ptr + page.to(tl.int64) * page_stride + (pos % PAGE_SIZE) * slot_stride
+        kv_ok = ok[:, None] & e_ok[None, :]
+        addr = base[:, None] + head_off + e[None, :]
+        k1 = tl.load(addr, mask=kv_ok, other=0.0)
+        k2 = tl.load(addr + HALF, mask=kv_ok, other=0.0)
+        v1 = tl.load(addr + kv_stride, mask=kv_ok, other=0.0)
+        v2 = tl.load(addr + kv_stride + HALF, mask=kv_ok, other=0.0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        dtype = out_ptr.dtype.element_ty
+        cs = cos_ptr + b * cs_stride_t
+        sn = sin_ptr + b * cs_stride_t
+        c1 = tl.load(cs + e, mask=e_ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cs + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sn + e, mask=e_ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sn + HALF + e, mask=e_ok, other=0.0).to(tl.float32)
+        q_addr = q_ptr + b * q_stride_t + (h * GROUP + g)[:, None] * q_stride_h + e[None, :]
+        q_ok = g_ok[:, None] & e_ok[None, :]
+        x1 = tl.load(q_addr, mask=q_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(q_addr + HALF, mask=q_ok, other=0.0).to(tl.float32)
+        # rotated q, rounded as the unfused path stores it: the products run on tensor cores
+        # in bf16 with float32 sums, query heads padded to BLOCK_G >= 16 rows
+        q1 = (x1 * c1[None, :] - x2 * s1[None, :]).to(dtype)
+        q2 = (x2 * c2[None, :] + x1 * s2[None, :]).to(dtype)
+        k_addr = k_ptr + b * k_stride_t + h * k_stride_h + e
+        y1 = tl.load(k_addr, mask=e_ok, other=0.0).to(tl.float32)
+        y2 = tl.load(k_addr + HALF, mask=e_ok, other=0.0).to(tl.float32)
+        kn1 = (y1 * c1 - y2 * s1).to(dtype)
+        kn2 = (y2 * c2 + y1 * s2).to(dtype)
+        v_addr = v_ptr + b * v_stride_t + h * v_stride_h + e
+        vn1 = tl.load(v_addr, mask=e_ok, other=0.0)
+        vn2 = tl.load(v_addr + HALF, mask=e_ok, other=0.0)
+        last = s == active - 1
+        if last:
+            slot = (
+                cache_ptr
+                + tl.load(pages_ptr + b) * page_stride
+                + tl.load(offsets_ptr + b) * slot_stride
+                + head_off
+            )
+            tl.store(slot + e, kn1, mask=e_ok)
+            tl.store(slot + HALF + e, kn2, mask=e_ok)
+            tl.store(slot + kv_stride + e, vn1, mask=e_ok)
+            tl.store(slot + kv_stride + HALF + e, vn2, mask=e_ok)
+        # softmax state (log2 domain): the new token's in the last split, empty elsewhere
+        s_new = scale_log2 * (
+            tl.sum(q1.to(tl.float32) * kn1.to(tl.float32)[None, :], 1)
+            + tl.sum(q2.to(tl.float32) * kn2.to(tl.float32)[None, :], 1)
+        )
+        m = tl.where(last, s_new, float("-inf"))
+        l_sum = tl.where(last, 1.0, 0.0) + tl.zeros([BLOCK_G], tl.float32)
+        keep = tl.where(last, 1.0, 0.0)
+        acc1 = keep * vn1.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
+        acc2 = keep * vn2.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
+        for start in range(lo, hi, BLOCK_T):
+            # the next block's loads are issued before this block's arithmetic
+            nxt = start + BLOCK_T + t
+            n_ok = nxt < hi
+            n_page = tl.load(indices_ptr + first_page + nxt // PAGE_SIZE, mask=n_ok, other=0)
+            n_base = cache_ptr + n_page.to(tl.int64) * page_stride + (nxt % PAGE_SIZE) * slot_stride
+            n_kv_ok = n_ok[:, None] & e_ok[None, :]
+            n_addr = n_base[:, None] + head_off + e[None, :]
+            nk1 = tl.load(n_addr, mask=n_kv_ok, other=0.0)
+            nk2 = tl.load(n_addr + HALF, mask=n_kv_ok, other=0.0)
+            nv1 = tl.load(n_addr + kv_stride, mask=n_kv_ok, other=0.0)
+            nv2 = tl.load(n_addr + kv_stride + HALF, mask=n_kv_ok, other=0.0)
+            scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_T]
+            scores = tl.where((start + t < hi)[None, :], scores * scale_log2, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(scores - m_new[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, 1)
+            p = p.to(dtype)
+            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
+            acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
+            m = m_new
+            k1, k2, v1, v2 = nk1, nk2, nv1, nv2
+        out_addr = out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[:, None] * 2 * HALF + e[None, :]
+        if active == 1:
+            tl.store(out_addr, (acc1 / l_sum[:, None]).to(dtype), mask=q_ok)
+            tl.store(out_addr + HALF, (acc2 / l_sum[:, None]).to(dtype), mask=q_ok)
+        else:
+            row = (b * NUM_KV_HEADS + h) * SPLITS
+            tile = g[:, None] * 2 * BLOCK_H + e[None, :]
+            acc_base = part_acc_ptr + (row + s) * BLOCK_G * 2 * BLOCK_H
+            tl.store(acc_base + tile, acc1, mask=q_ok)
+            tl.store(acc_base + tile + BLOCK_H, acc2, mask=q_ok)
+            ml_base = part_ml_ptr + (row + s) * 2 * BLOCK_G
+            tl.store(ml_base + g, m, mask=g_ok)
+            tl.store(ml_base + BLOCK_G + g, l_sum, mask=g_ok)
+            # every thread's stores above happen before the counter's release
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
+            if done == active - 1:
+                # The last split to finish merges all: up to MERGE splits' states a load, the
+                # query heads unpadded (MERGE_G rows); .cg loads read L2, never an L1 line left
+                # by an earlier step.
+                gm = tl.arange(0, MERGE_G)
+                gm_ok = gm < GROUP
+                m_all = tl.full([MERGE_G], float("-inf"), tl.float32)
+                total = tl.zeros([MERGE_G], tl.float32)
+                o1 = tl.zeros([MERGE_G, BLOCK_H], tl.float32)
+                o2 = tl.zeros([MERGE_G, BLOCK_H], tl.float32)
+                for j0 in range(0, active, MERGE):
+                    j = j0 + tl.arange(0, MERGE)
+                    sg_ok = (j < active)[:, None] & gm_ok[None, :]  # [MERGE, MERGE_G]
+                    ml = part_ml_ptr + (row + j)[:, None] * 2 * BLOCK_G + gm[None, :]
+                    ms = tl.load(ml, mask=sg_ok, other=float("-inf"), cache_modifier=".cg")
+                    ls = tl.load(ml + BLOCK_G, mask=sg_ok, other=0.0, cache_modifier=".cg")
+                    acc = (
+                        part_acc_ptr
+                        + (row + j)[:, None, None] * BLOCK_G * 2 * BLOCK_H
+                        + gm[None, :, None] * 2 * BLOCK_H
+                        + e[None, None, :]
+                    )
+                    a_ok = sg_ok[:, :, None] & e_ok[None, None, :]
+                    a1 = tl.load(acc, mask=a_ok, other=0.0, cache_modifier=".cg")
+                    a2 = tl.load(acc + BLOCK_H, mask=a_ok, other=0.0, cache_modifier=".cg")
+                    m_new = tl.maximum(m_all, tl.max(ms, 0))
+                    alpha = tl.where(gm_ok, tl.exp2(m_all - m_new), 0.0)
+                    w = tl.where(sg_ok, tl.exp2(ms - m_new[None, :]), 0.0)  # [MERGE, MERGE_G]
+                    total = total * alpha + tl.sum(w * ls, 0)
+                    o1 = o1 * alpha[:, None] + tl.sum(w[:, :, None] * a1, 0)
+                    o2 = o2 * alpha[:, None] + tl.sum(w[:, :, None] * a2, 0)
+                    m_all = m_new
+                o_addr = (
+                    out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + gm)[:, None] * 2 * HALF + e[None, :]
+                )
+                o_ok = gm_ok[:, None] & e_ok[None, :]
+                tl.store(o_addr, (o1 / total[:, None]).to(dtype), mask=o_ok)
+                tl.store(o_addr + HALF, (o2 / total[:, None]).to(dtype), mask=o_ok)
+                tl.store(count_ptr + b * NUM_KV_HEADS + h, 0)  # ready for the next step
+
+
+def decode_splits(batch: int, kv_heads: int, device) -> int:
+    """Splits of the context per (row, kv head) in decode_attention: enough programs to
+    give every SM about four, at most 64 (a split has MIN_CHUNK tokens at least, so short
+    contexts use fewer)."""
+    want = triton.cdiv(4 * _num_sms(device), batch * kv_heads)
+    return max(1, min(64, triton.next_power_of_2(want)))
+
+
+def _block_g(group: int) -> int:
+    return max(16, triton.next_power_of_2(group))  # a tensor-core tile has 16 rows at least
+
+
+def decode_workspace(batch: int, kv_heads: int, group: int, head_dim: int, splits: int, device):
+    """(partial accumulators, partial max/sum, counters) for decode_attention: float32 and a
+    zeroed int32 counter per (row, kv head), allocated once and reused by every layer."""
+    block_g = _block_g(group)
+    block_h = max(16, triton.next_power_of_2(head_dim // 2))
+    rows = batch * kv_heads * splits
+    part_acc = torch.empty(rows * block_g * 2 * block_h, dtype=torch.float32, device=device)
+    part_ml = torch.empty(rows * 2 * block_g, dtype=torch.float32, device=device)
+    counts = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    return part_acc, part_ml, counts
+
+
+def decode_attention(
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    cache,
+    indptr,
+    indices,
+    last_len,
+    pages,
+    offsets,
+    out,
+    workspace,
+    scale: float,
+    splits: int,
+    block_t: int = 64,
+    min_chunk: int = 128,
+    num_warps: int = 8,
+) -> None:
+    """Decode attention of B rows, one new token each, with that token's RoPE and KV write:
+    q [B, hq, hd], k, v [B, hkv, hd] (this step's, before RoPE; unit last stride), cos, sin
+    [B, hd]; cache [P, 2, page_size, hkv, hd]; a row's pages are indices[indptr[b]:indptr[b+1]]
+    with last_len[b] tokens in the last (int32), its new token goes to (pages[b], offsets[b])
+    (int64). out [B, hq, hd] contiguous. workspace from decode_workspace(..., splits)."""
+    batch, hq, hd = q.shape
+    hkv = k.shape[1]
+    part_acc, part_ml, counts = workspace
+    use_pdl = pdl(q.device)
+    _decode_attention_kernel[(batch, hkv, splits)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        cache,
+        indptr,
+        indices,
+        last_len,
+        pages,
+        offsets,
+        out,
+        part_acc,
+        part_ml,
+        counts,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        scale * 1.4426950408889634,
+        NUM_KV_HEADS=hkv,
+        GROUP=hq // hkv,
+        BLOCK_G=_block_g(hq // hkv),
+        HALF=hd // 2,
+        BLOCK_H=max(16, triton.next_power_of_2(hd // 2)),
+        PAGE_SIZE=cache.shape[2],
+        SPLITS=splits,
+        MERGE=min(16, splits),
+        MERGE_G=triton.next_power_of_2(hq // hkv),
+        BLOCK_T=block_t,
+        MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
+        PDL=use_pdl,
+        num_warps=num_warps,
+        launch_pdl=use_pdl,
+    )
+
+
+@triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, inter, x_stride_t, BLOCK: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         gdc_wait()
@@ -294,4 +597,5 @@ def pdl(device) -> bool:
     """Whether kernels launch with programmatic dependent launch (Hopper and later): each may
     start while the previous one drains and waits on it with griddepcontrol.wait before
     reading its inputs. FlashInfer's kernels do the same on these GPUs."""
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
