@@ -66,6 +66,12 @@ def parse_args(argv):
     p.add_argument("--hf-tokens", type=int, default=32, help="generate() tokens timed")
     p.add_argument("--kv-fraction", type=float, default=0.9)
     p.add_argument("--profile", action="store_true", help="write per-kernel times")
+    p.add_argument(
+        "--fused-decode-max-bucket",
+        type=int,
+        default=8,
+        help="decode buckets attending through Orbit's fused kernel (0: FlashInfer's only)",
+    )
     return p.parse_args(argv)
 
 
@@ -170,7 +176,10 @@ def build_runner(spec, tensors, args):
     )
     model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda")
     t0 = time.perf_counter()
-    runner = CudaGraphRunner(model, caps, CudaRunnerOptions(kv_fraction=args.kv_fraction))
+    options = CudaRunnerOptions(
+        kv_fraction=args.kv_fraction, fused_decode_max_bucket=args.fused_decode_max_bucket
+    )
+    runner = CudaGraphRunner(model, caps, options)
     t1 = time.perf_counter()
     runner.capture()
     t2 = time.perf_counter()

@@ -1,9 +1,10 @@
 """Paged attention on the GPU, with the `attend(layer, q, k, v, cos, sin)` method the model
 calls (the CPU path's ReferenceAttention has the same one).
 
-- FusedDecodeAttention: one per captured decode bucket of at most FUSED_DECODE_MAX_BUCKET rows.
-  Orbit's own Triton kernel (triton_kernels.decode_attention) does a layer's RoPE, the new
-  token's KV write and the split-KV attention with its merge in one launch, where the
+- FusedDecodeAttention: for decode buckets of a few rows (CudaRunnerOptions says how many, and
+  up to which context length the runner replays it). Orbit's own Triton kernel
+  (triton_kernels.decode_attention) does a layer's RoPE, the new token's KV write and the
+  split-KV attention with its merge in one launch, where the
   FlashInfer path below takes three (RoPE + KV write, attention, merge): at small batches the
   step is latency-bound, and each launch costs more than the KV it reads. It reads the same
   fixed page buffers as DecodeAttention, and it plans nothing on the host: each program derives
@@ -39,10 +40,6 @@ import torch
 
 from runtime import cuda_ops
 from runtime.kv_cache import KVCache
-
-# Decode buckets up to this many rows run FusedDecodeAttention (the H200 measurement in
-# docs/performance.md); larger ones, where FlashInfer's tensor-core kernels win, DecodeAttention.
-FUSED_DECODE_MAX_BUCKET = 8
 
 
 def prefill_backend(device: torch.device) -> str:

@@ -55,7 +55,6 @@ import numpy as np
 import torch
 
 from runtime.cuda_attention import (
-    FUSED_DECODE_MAX_BUCKET,
     DecodeAttention,
     FusedDecodeAttention,
     PrefillAttention,
@@ -85,6 +84,12 @@ class CudaRunnerOptions:
     max_kv_pages: int = 0  # cap on the pool (0: none); tests and benchmarks keep it small
     workspace_bytes: int = 256 << 20  # FlashInfer float workspace, shared by every wrapper
     reserve_margin_bytes: int = 512 << 20  # kept free beyond the measured activation peaks
+    # Decode buckets of at most this many rows also get a graph whose attention is Orbit's
+    # one-kernel decode (FusedDecodeAttention), replayed while every row's context is below
+    # fused_decode_max_context tokens; FlashInfer's kernels are faster beyond (H200,
+    # docs/performance.md). 0 turns it off.
+    fused_decode_max_bucket: int = 8
+    fused_decode_max_context: int = 2048
 
 
 class RankSettings(Protocol):
@@ -147,8 +152,10 @@ class CudaGraphRunner:
         self.pad_page = self.kv_plan.num_pages
         self.kv = KVCache(self._kv_shape(self.kv_plan.num_pages + 1), self.dtype, self.device)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
-        self._decode: dict[int, DecodeAttention | FusedDecodeAttention] = {}
+        self._decode: dict[int, DecodeAttention] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._fused: dict[int, FusedDecodeAttention] = {}
+        self._fused_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
@@ -261,26 +268,30 @@ class CudaGraphRunner:
         for bucket in sorted(self.buckets, reverse=True):
             pages, slots = self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket]
             max_pages = self.caps.max_pages_per_seq
-            if bucket <= FUSED_DECODE_MAX_BUCKET:
-                attn = FusedDecodeAttention(
-                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads
-                )
-            else:
-                attn = DecodeAttention(
-                    self.kv,
-                    bucket,
-                    max_pages,
-                    self._workspace,
-                    pages,
-                    slots,
-                    self.scale,
-                    self.num_q_heads,
-                )
+            attn = DecodeAttention(
+                self.kv,
+                bucket,
+                max_pages,
+                self._workspace,
+                pages,
+                slots,
+                self.scale,
+                self.num_q_heads,
+            )
             self._plan_decode([], bucket, attn)  # all padding rows
             self._decode[bucket] = attn
             self._graphs[bucket] = self._capture(
                 lambda b=bucket, a=attn: self._decode_forward(b, a), pool
             )
+            if bucket <= self.options.fused_decode_max_bucket:
+                fused = FusedDecodeAttention(
+                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads
+                )
+                self._plan_decode([], bucket, fused)
+                self._fused[bucket] = fused
+                self._fused_graphs[bucket] = self._capture(
+                    lambda b=bucket, a=fused: self._decode_forward(b, a), pool
+                )
         torch.cuda.synchronize()
         log.info(
             "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
@@ -310,8 +321,9 @@ class CudaGraphRunner:
 
     @property
     def decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        """Bucket -> captured graph; benchmarks replay one alone to time the GPU side."""
-        return dict(self._graphs)
+        """Bucket -> the graph a decode step of short contexts replays (the fused-attention
+        one where the bucket has it); benchmarks replay one alone to time the GPU side."""
+        return {**self._graphs, **self._fused_graphs}
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -340,8 +352,13 @@ class CudaGraphRunner:
                 f"decode batch of {len(seqs)} sequences exceeds the largest captured bucket "
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
-        self._plan_decode(seqs, bucket, self._decode[bucket])
-        self._graphs[bucket].replay()
+        longest = max(s.start_pos + 1 for s in seqs)
+        if bucket in self._fused and longest <= self.options.fused_decode_max_context:
+            self._plan_decode(seqs, bucket, self._fused[bucket])
+            self._fused_graphs[bucket].replay()
+        else:
+            self._plan_decode(seqs, bucket, self._decode[bucket])
+            self._graphs[bucket].replay()
         if all(s.sample for s in seqs):
             return self._logits[: len(seqs)]
         rows = [i for i, s in enumerate(seqs) if s.sample]

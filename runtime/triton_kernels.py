@@ -148,8 +148,6 @@ def _decode_attention_kernel(
     BLOCK_H: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     SPLITS: tl.constexpr,
-    MERGE: tl.constexpr,
-    MERGE_G: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
@@ -279,52 +277,40 @@ def _decode_attention_kernel(
             tl.debug_barrier()
             done = tl.atomic_add(count_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
             if done == active - 1:
-                # The last split to finish merges all: up to MERGE splits' states a load, the
-                # query heads unpadded (MERGE_G rows); .cg loads read L2, never an L1 line left
-                # by an earlier step.
-                gm = tl.arange(0, MERGE_G)
-                gm_ok = gm < GROUP
-                m_all = tl.full([MERGE_G], float("-inf"), tl.float32)
-                total = tl.zeros([MERGE_G], tl.float32)
-                o1 = tl.zeros([MERGE_G, BLOCK_H], tl.float32)
-                o2 = tl.zeros([MERGE_G, BLOCK_H], tl.float32)
-                for j0 in range(0, active, MERGE):
-                    j = j0 + tl.arange(0, MERGE)
-                    sg_ok = (j < active)[:, None] & gm_ok[None, :]  # [MERGE, MERGE_G]
-                    ml = part_ml_ptr + (row + j)[:, None] * 2 * BLOCK_G + gm[None, :]
-                    ms = tl.load(ml, mask=sg_ok, other=float("-inf"), cache_modifier=".cg")
-                    ls = tl.load(ml + BLOCK_G, mask=sg_ok, other=0.0, cache_modifier=".cg")
-                    acc = (
-                        part_acc_ptr
-                        + (row + j)[:, None, None] * BLOCK_G * 2 * BLOCK_H
-                        + gm[None, :, None] * 2 * BLOCK_H
-                        + e[None, None, :]
+                # The last split to finish merges all; .cg loads read L2, never an L1 line left
+                # by an earlier step. (Loading every split's state at once measured slower.)
+                ml = part_ml_ptr + row * 2 * BLOCK_G + g
+                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                for j in range(0, active):
+                    mj = tl.load(ml + j * 2 * BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    m_all = tl.maximum(m_all, mj)
+                total = tl.zeros([BLOCK_G], tl.float32)
+                o1 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
+                o2 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
+                acc = part_acc_ptr + row * BLOCK_G * 2 * BLOCK_H + tile
+                for j in range(0, active):
+                    mj = tl.load(ml + j * 2 * BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg")
+                    lj = tl.load(
+                        ml + j * 2 * BLOCK_G + BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg"
                     )
-                    a_ok = sg_ok[:, :, None] & e_ok[None, None, :]
-                    a1 = tl.load(acc, mask=a_ok, other=0.0, cache_modifier=".cg")
-                    a2 = tl.load(acc + BLOCK_H, mask=a_ok, other=0.0, cache_modifier=".cg")
-                    m_new = tl.maximum(m_all, tl.max(ms, 0))
-                    alpha = tl.where(gm_ok, tl.exp2(m_all - m_new), 0.0)
-                    w = tl.where(sg_ok, tl.exp2(ms - m_new[None, :]), 0.0)  # [MERGE, MERGE_G]
-                    total = total * alpha + tl.sum(w * ls, 0)
-                    o1 = o1 * alpha[:, None] + tl.sum(w[:, :, None] * a1, 0)
-                    o2 = o2 * alpha[:, None] + tl.sum(w[:, :, None] * a2, 0)
-                    m_all = m_new
-                o_addr = (
-                    out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + gm)[:, None] * 2 * HALF + e[None, :]
-                )
-                o_ok = gm_ok[:, None] & e_ok[None, :]
-                tl.store(o_addr, (o1 / total[:, None]).to(dtype), mask=o_ok)
-                tl.store(o_addr + HALF, (o2 / total[:, None]).to(dtype), mask=o_ok)
+                    wj = tl.exp2(mj - m_all)
+                    total += wj * lj
+                    aj = acc + j * BLOCK_G * 2 * BLOCK_H
+                    a1 = tl.load(aj, mask=q_ok, other=0.0, cache_modifier=".cg")
+                    a2 = tl.load(aj + BLOCK_H, mask=q_ok, other=0.0, cache_modifier=".cg")
+                    o1 += wj[:, None] * a1
+                    o2 += wj[:, None] * a2
+                tl.store(out_addr, (o1 / total[:, None]).to(dtype), mask=q_ok)
+                tl.store(out_addr + HALF, (o2 / total[:, None]).to(dtype), mask=q_ok)
                 tl.store(count_ptr + b * NUM_KV_HEADS + h, 0)  # ready for the next step
 
 
 def decode_splits(batch: int, kv_heads: int, device) -> int:
-    """Splits of the context per (row, kv head) in decode_attention: enough programs to
-    give every SM about four, at most 64 (a split has MIN_CHUNK tokens at least, so short
-    contexts use fewer)."""
-    want = triton.cdiv(4 * _num_sms(device), batch * kv_heads)
-    return max(1, min(64, triton.next_power_of_2(want)))
+    """Splits of the context per (row, kv head) in decode_attention: enough programs to give
+    every SM about two, at most 32 (a split has MIN_CHUNK tokens at least, so short contexts
+    use fewer). Four per SM, up to 64, measured slower on the H200."""
+    want = triton.cdiv(2 * _num_sms(device), batch * kv_heads)
+    return max(1, min(32, triton.next_power_of_2(want)))
 
 
 def _block_g(group: int) -> int:
@@ -406,8 +392,6 @@ def decode_attention(
         BLOCK_H=max(16, triton.next_power_of_2(hd // 2)),
         PAGE_SIZE=cache.shape[2],
         SPLITS=splits,
-        MERGE=min(16, splits),
-        MERGE_G=triton.next_power_of_2(hq // hkv),
         BLOCK_T=block_t,
         MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
         PDL=use_pdl,

@@ -1,5 +1,6 @@
-"""The CUDA path (FlashInfer attention, decode from CUDA graphs) against transformers on the
-GPU and against the CPU reference path, on a random Llama-architecture model in bf16.
+"""The CUDA path (FlashInfer's and Orbit's attention, decode from CUDA graphs) against
+transformers on the GPU and against the CPU reference path, on a random Llama-architecture
+model in bf16.
 
 What each comparison can honestly promise:
 - logits vs transformers bf16 on the GPU: relative error <= 1e-2 (two bf16 implementations
@@ -100,6 +101,37 @@ def test_padding_never_changes_results(llama, report):
     err = steps.rel_error(a, eager)
     report("padding_graph_vs_eager", rel_err=err, batch=3, bucket=4)
     assert err <= BF16_REL_TOL
+
+
+def test_fused_decode_attention_matches_flashinfer(llama, report):
+    """Decode through the fused-attention graphs (the default for buckets of up to 8 rows at
+    these contexts) against a runner without them (FlashInfer's kernels), and against one that
+    switches from the first to the second as the contexts pass fused_decode_max_context: the
+    same logits within bf16 tolerance at batch 1, 3 (bucket 4) and 8, over six steps."""
+    _, spec, tensors, _, fused = llama
+    flashinfer = models.cuda_runner(spec, tensors, TPGroup(), fused_decode_max_bucket=0)
+    lengths = [40 + 9 * i for i in range(8)]
+    switching = models.cuda_runner(
+        spec, tensors, TPGroup(), fused_decode_max_context=max(lengths) + 3
+    )
+    worst = 0.0
+    for batch in (1, 3, 8):
+        prompts = random_prompts(spec.vocab_size, lengths=lengths[:batch], seed=30 + batch)
+        tables = steps.page_tables(batch, 512)
+        results = []
+        for runner in (fused, flashinfer, switching):
+            steps.prefill(runner, prompts, tables)
+            contexts = [len(p) for p in prompts]
+            logits = []
+            for step in range(6):
+                tokens = [(97 * i + 13 * step) % spec.vocab_size for i in range(batch)]
+                logits.append(steps.decode(runner, tokens, contexts, tables))
+                contexts = [c + 1 for c in contexts]
+            results.append(torch.stack(logits))
+        for other in results[1:]:
+            worst = max(worst, steps.rel_error(results[0], other))
+    report("fused_decode_vs_flashinfer", rel_err=worst)
+    assert worst <= BF16_REL_TOL
 
 
 def test_prefill_graphs_match_the_eager_path(llama, report):

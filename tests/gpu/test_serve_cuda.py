@@ -40,6 +40,9 @@ def packages(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve_cuda")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     config = llama_config()
+    # Weights wide enough that the logits spread: at llama_config's 0.01 the random model's
+    # next-token distribution is nearly flat and most greedy choices are near-ties.
+    config.initializer_range = 0.05
     config.vocab_size = len(tok)
     config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
     torch.manual_seed(0)
