@@ -14,9 +14,10 @@ Start-up (build_cuda_runner below does all of it for a rank, in this order):
    and allocates it. `kv_plan.num_pages` is what the scheduler may hand out.
 2. `capture()`: for every prefill token bucket (capacities.prefill_chunk_sizes) and every
    decode bucket (capacities.decode_batch_buckets; small ones twice, with FlashInfer's and
-   with Orbit's fused decode attention), largest first, into one shared memory pool: plan attention for padding, run the forward once on a side stream, then capture it.
-   The TP all-reduces (and, in decode graphs, the LM head's all-gather) are inside each graph;
-   each graph writes its result into a static buffer, so no graph's memory outlives a replay.
+   with Orbit's fused decode attention), largest first, into one shared memory pool: plan
+   attention for padding, run the forward once on a side stream, then capture it. The TP
+   all-reduces (and, in decode graphs, the LM head's all-gather) are inside each graph; each
+   graph writes its result into a static buffer, so no graph's memory outlives a replay.
 3. `step(seqs)` per step.
 
 A decode step (every sequence brings one token) pads the batch to the smallest bucket that
