@@ -4,11 +4,11 @@ calls (the CPU path's ReferenceAttention has the same one).
 - FusedDecodeAttention: for decode buckets of a few rows (CudaRunnerOptions says how many, and
   up to which context length the runner replays it). Orbit's own Triton kernel
   (triton_kernels.decode_attention) does a layer's RoPE, the new token's KV write and the
-  split-KV attention with its merge in one launch, where the
-  FlashInfer path below takes three (RoPE + KV write, attention, merge): at small batches the
-  step is latency-bound, and each launch costs more than the KV it reads. It reads the same
-  fixed page buffers as DecodeAttention, and it plans nothing on the host: each program derives
-  its slice of the context from the row's length.
+  split-KV attention with its merge in one launch, where the FlashInfer path below takes three
+  (RoPE + KV write, attention, merge): at small batches the step is latency-bound, and each
+  launch costs more than the KV it reads. It reads the same kind of fixed page buffers as
+  DecodeAttention, and it plans nothing on the host: each program derives its slice of the
+  context from the row's length.
 - DecodeAttention: one per captured decode bucket. Its FlashInfer decode wrapper reads fixed
   metadata buffers (page indptr, indices, last-page lengths) that the runner refills before
   every replay; the kernels captured in the graph read them in place. FlashInfer's plan (how

@@ -86,9 +86,9 @@ class CudaRunnerOptions:
     workspace_bytes: int = 256 << 20  # FlashInfer float workspace, shared by every wrapper
     reserve_margin_bytes: int = 512 << 20  # kept free beyond the measured activation peaks
     # Decode buckets of at most this many rows also get a graph whose attention is Orbit's
-    # one-kernel decode (FusedDecodeAttention), replayed while every row's context is below
-    # fused_decode_max_context tokens; FlashInfer's kernels are faster beyond (H200,
-    # docs/performance.md). 0 turns it off.
+    # one-kernel decode (FusedDecodeAttention), replayed while every row's context (the new
+    # token included) is at most fused_decode_max_context tokens; FlashInfer's kernels are
+    # faster beyond (H200, docs/performance.md). A max bucket of 0 turns it off.
     fused_decode_max_bucket: int = 8
     fused_decode_max_context: int = 2048
 
