@@ -114,6 +114,36 @@ def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets) -> None:
 
 
 @triton.jit
+def _kv_block(
+    cache_ptr,
+    indices_ptr,
+    first_page,
+    pos,
+    hi,
+    head_off,
+    e,
+    e_ok,
+    page_stride,
+    kv_stride,
+    slot_stride,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """One kv head's k and v halves [BLOCK_T, BLOCK_H] at a row's cached positions `pos`
+    (those >= hi masked to 0), through the row's page list from indices[first_page]."""
+    ok = pos < hi
+    page = tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=ok, other=0)
+    base = cache_ptr + page.to(tl.int64) * page_stride + (pos % PAGE_SIZE) * slot_stride
+    kv_ok = ok[:, None] & e_ok[None, :]
+    addr = base[:, None] + head_off + e[None, :]
+    k1 = tl.load(addr, mask=kv_ok, other=0.0)
+    k2 = tl.load(addr + HALF, mask=kv_ok, other=0.0)
+    v1 = tl.load(addr + kv_stride, mask=kv_ok, other=0.0)
+    v2 = tl.load(addr + kv_stride + HALF, mask=kv_ok, other=0.0)
+    return k1, k2, v1, v2
+
+
+@triton.jit
 def _decode_attention_kernel(
     q_ptr,
     k_ptr,
@@ -179,16 +209,10 @@ def _decode_attention_kernel(
     hi = tl.minimum(lo + chunk, length - 1)  # cached positions of this split: [lo, hi)
     if lo < length:
         head_off = h * 2 * HALF
-        pos = lo + t
-        ok = pos < hi
-        page = tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=ok, other=0)
-        base = cache_ptr + page.to(tl.int64) * page_stride + (pos % PAGE_SIZE) * slot_stride
-        kv_ok = ok[:, None] & e_ok[None, :]
-        addr = base[:, None] + head_off + e[None, :]
-        k1 = tl.load(addr, mask=kv_ok, other=0.0)
-        k2 = tl.load(addr + HALF, mask=kv_ok, other=0.0)
-        v1 = tl.load(addr + kv_stride, mask=kv_ok, other=0.0)
-        v2 = tl.load(addr + kv_stride + HALF, mask=kv_ok, other=0.0)
+        k1, k2, v1, v2 = _kv_block(
+            cache_ptr, indices_ptr, first_page, lo + t, hi, head_off, e, e_ok,
+            page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE,
+        )  # fmt: skip
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
@@ -239,16 +263,10 @@ def _decode_attention_kernel(
         acc2 = keep * vn2.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
         for start in range(lo, hi, BLOCK_T):
             # the next block's loads are issued before this block's arithmetic
-            nxt = start + BLOCK_T + t
-            n_ok = nxt < hi
-            n_page = tl.load(indices_ptr + first_page + nxt // PAGE_SIZE, mask=n_ok, other=0)
-            n_base = cache_ptr + n_page.to(tl.int64) * page_stride + (nxt % PAGE_SIZE) * slot_stride
-            n_kv_ok = n_ok[:, None] & e_ok[None, :]
-            n_addr = n_base[:, None] + head_off + e[None, :]
-            nk1 = tl.load(n_addr, mask=n_kv_ok, other=0.0)
-            nk2 = tl.load(n_addr + HALF, mask=n_kv_ok, other=0.0)
-            nv1 = tl.load(n_addr + kv_stride, mask=n_kv_ok, other=0.0)
-            nv2 = tl.load(n_addr + kv_stride + HALF, mask=n_kv_ok, other=0.0)
+            nk1, nk2, nv1, nv2 = _kv_block(
+                cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e, e_ok,
+                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE,
+            )  # fmt: skip
             scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_T]
             scores = tl.where((start + t < hi)[None, :], scores * scale_log2, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, 1))
