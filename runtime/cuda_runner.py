@@ -279,20 +279,14 @@ class CudaGraphRunner:
                 self.scale,
                 self.num_q_heads,
             )
-            self._plan_decode([], bucket, attn)  # all padding rows
             self._decode[bucket] = attn
-            self._graphs[bucket] = self._capture(
-                lambda b=bucket, a=attn: self._decode_forward(b, a), pool
-            )
+            self._graphs[bucket] = self._capture_decode(bucket, attn, pool)
             if bucket <= self.options.fused_decode_max_bucket:
                 fused = FusedDecodeAttention(
                     self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads
                 )
-                self._plan_decode([], bucket, fused)
                 self._fused[bucket] = fused
-                self._fused_graphs[bucket] = self._capture(
-                    lambda b=bucket, a=fused: self._decode_forward(b, a), pool
-                )
+                self._fused_graphs[bucket] = self._capture_decode(bucket, fused, pool)
         torch.cuda.synchronize()
         log.info(
             "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
@@ -301,6 +295,12 @@ class CudaGraphRunner:
             list(self.buckets),
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
+
+    def _capture_decode(
+        self, bucket: int, attn: DecodeAttention | FusedDecodeAttention, pool
+    ) -> torch.cuda.CUDAGraph:
+        self._plan_decode([], bucket, attn)  # all padding rows
+        return self._capture(lambda: self._decode_forward(bucket, attn), pool)
 
     @staticmethod
     def _capture(forward, pool) -> torch.cuda.CUDAGraph:
