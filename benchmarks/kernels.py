@@ -170,19 +170,28 @@ ATTENTION_VARIANTS = {
 }
 
 
+def paged_caches(batch: int, context: int, layers: int):
+    """(page size, pages per sequence, one random bf16 paged cache per layer, page indptr and
+    last-page lengths on the host): `batch` sequences of `context` tokens, pages in order."""
+    page = 16
+    pages_per_seq = -(-context // page)
+    caches = [
+        torch.randn(
+            batch * pages_per_seq, 2, page, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16
+        )
+        for _ in range(layers)
+    ]
+    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
+    last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
+    return page, pages_per_seq, caches, indptr, last
+
+
 def bench_attention(batch: int, context: int, layers: int, variants: list[str], bw: float) -> dict:
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    page = 16
-    pages_per_seq = -(-context // page)
+    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
     num_pages = batch * pages_per_seq
-    caches = [
-        torch.randn(num_pages, 2, page, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        for _ in range(layers)
-    ]
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
-    last = torch.full((batch,), context - (pages_per_seq - 1) * page, dtype=torch.int32)
     kv_bytes = layers * batch * context * KV_HEADS * HEAD_DIM * 2 * 2
     row = {"batch": batch, "context": context, "kv_MB_per_layer": kv_bytes / layers / 1e6}
     ref = None
@@ -244,23 +253,16 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict
 
     from runtime import cuda_ops, triton_kernels
 
-    page = 16
-    pages_per_seq = -(-context // page)
+    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
     num_pages = batch * pages_per_seq
     dev = "cuda"
-    caches = [
-        torch.randn(num_pages, 2, page, KV_HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
-        for _ in range(layers)
-    ]
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)
     q = qkv[:, : HEADS * HEAD_DIM].view(batch, HEADS, HEAD_DIM)
     k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(batch, KV_HEADS, HEAD_DIM)
     v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(batch, KV_HEADS, HEAD_DIM)
     angle = torch.rand(batch, HEAD_DIM, device=dev) * 6.28
     cos, sin = angle.cos().to(torch.bfloat16), angle.sin().to(torch.bfloat16)
-    last_len = context - (pages_per_seq - 1) * page
-    indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
-    last = torch.full((batch,), last_len, dtype=torch.int32)
+    last_len = int(last[0])
     indices = torch.arange(num_pages, dtype=torch.int32, device=dev)
     write_pages = (torch.arange(batch, device=dev) + 1) * pages_per_seq - 1
     write_offsets = torch.full((batch,), last_len - 1, dtype=torch.int64, device=dev)
