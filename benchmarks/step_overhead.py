@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from orbit.curve import ServerKeys, create_keys
 from orbit.engine import Engine, EngineConfig, SamplingParams
 from orbit.local_ranks import LocalRankOptions, LocalRanks
 from orbit.rank_link import RankLink
@@ -39,11 +40,12 @@ READY_TIMEOUT_S = 600.0
 @contextlib.asynccontextmanager
 async def local_ranks(pkg: Package, device: str, kv_pages: int) -> AsyncIterator[RankLink]:
     """The package's ranks as child processes, connected and ready; stopped on exit."""
-    link = RankLink(pkg.tp_size)
-    link.start()
     log_dir = Path(tempfile.mkdtemp(prefix="orbit-step-overhead-"))
+    keys = create_keys(log_dir / "keys", pkg.tp_size)
+    link = RankLink(pkg.tp_size, ServerKeys.load(keys), package_digest=pkg.digest)
+    link.start()
     opts = LocalRankOptions(device=device, kv_pages=kv_pages)
-    ranks = LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts)
+    ranks = LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts, keys)
     ranks.start()
     try:
         await link.wait_ready(READY_TIMEOUT_S)

@@ -1,13 +1,20 @@
 """The OpenAI-compatible HTTP frontend of `orbit serve`.
 
-How a generation request flows. The body is read (bounded), parsed and checked, the prompt is
-tokenized off the event loop, and `build_plan` turns it into one SamplingParams per choice. Each of
-the n choices is its own engine sequence `{id}-{i}`, run by a pump task that turns TokenEvents into
-ChoiceDeltas (text a TextStream released, plus the tokens it covers); `merge` interleaves the pumps.
-A finish, a stop string, an error or the reader going away closes the engine iterator, which frees
-the sequence. Non-streaming calls race the collection against the client disconnecting. Streaming
-calls wait for the first delta before sending headers, so an engine that fails up front still
-answers 503; a failure after that becomes an SSE error event followed by `data: [DONE]`.
+How a generation request flows. The body is read (bounded in size and time, JSON only), then
+parsed, checked and tokenized off the event loop in one of two lanes (_Lanes): small work has its
+own thread, so large prompts delay small requests little. A prompt whose text alone proves it
+longer than the context is refused before tokenizing (PromptLimits). `build_plan` turns the
+prompt into one SamplingParams per choice. Each of the n choices is its own engine sequence
+`{id}-{i}`, run by a pump task that turns TokenEvents into ChoiceDeltas (text a TextStream
+released, plus the tokens it covers); `merge` interleaves the pumps. A finish, a stop string, an
+error or the reader going away closes the engine iterator, which frees the sequence.
+Non-streaming calls race the collection against the client disconnecting. Streaming calls wait
+for the first delta before sending headers, so an engine that fails up front still answers 503;
+a failure after that becomes an SSE error event followed by `data: [DONE]`.
+
+Connections are bounded in time as well as size: the body must keep arriving (BodyLimits, 408
+otherwise), and with `uvicorn_options()` a connection that opens but never completes a request
+head, or sits idle after a response, is closed.
 """
 
 import asyncio
@@ -23,8 +30,8 @@ from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orbit import __version__
 from orbit.async_streams import close, merge, prepend
@@ -36,8 +43,10 @@ from orbit.errors import (
     InternalError,
     ModelNotFound,
     PayloadTooLarge,
+    RequestTimeout,
     ServiceUnavailable,
     TooManyRequests,
+    UnsupportedMediaType,
     install_error_handlers,
 )
 from orbit.metrics import CLIENT_CLOSED_REQUEST, FrontendMetrics, RequestMetricsMiddleware
@@ -48,12 +57,14 @@ from orbit.openai_types import (
     CompletionRequest,
     GeneratedToken,
     GenerationPlan,
+    PromptLimits,
     RequestModel,
     build_plan,
-    chat_prompt_ids,
+    chat_prompt,
     check_chat,
     check_completion,
-    completion_prompt_ids,
+    completion_prompt,
+    openapi_body,
     parse_request,
     usage,
 )
@@ -62,6 +73,17 @@ from orbit.textstream import TextStream, TokenTexts
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
+# A connection must send each request head whole within this many seconds of opening or of
+# its previous response (slow-loris clients), and is closed after this long idle between
+# requests. uvicorn's own limit on a head's size (h11) stays at 16 KiB.
+REQUEST_HEAD_TIMEOUT_S = 15.0
+KEEP_ALIVE_TIMEOUT_S = 5
+MAX_HEAD_BYTES = 16 * 1024
+# Request bodies and prompts up to this many bytes (characters, for prompt text) are handled
+# in the small lane; one that size parses and tokenizes in about 15 ms.
+SMALL_WORK_BYTES = 16 * 1024
+LARGE_LANE_THREADS = 2
+MAX_ECHO_CHARS = 256  # of a client's value quoted in an error message
 SSE_DONE = "data: [DONE]\n\n"
 _ROUTES = frozenset(
     {"/health", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
@@ -71,14 +93,38 @@ Format = CompletionFormat | ChatFormat
 OpenAIRequest = CompletionRequest | ChatCompletionRequest
 
 
-def create_app(engine: Engine, served_model_name: str, *, api_key: str | None = None) -> FastAPI:
-    """The HTTP app. With `api_key`, every route but /health needs `Authorization: Bearer KEY`."""
-    frontend = _Frontend(engine, served_model_name)
-    app = FastAPI(title="Orbit", version=__version__)
+@dataclass(frozen=True)
+class BodyLimits:
+    """What a request body may cost: its size, and how long it may take to arrive."""
+
+    max_bytes: int = MAX_BODY_BYTES
+    idle_timeout_s: float = 15.0  # the body must make progress at least this often
+    timeout_s: float = 60.0  # and be complete this long after the handler starts reading
+
+
+def create_app(
+    engine: Engine,
+    served_model_name: str,
+    *,
+    api_key: str | None = None,
+    body_limits: BodyLimits = BodyLimits(),
+) -> FastAPI:
+    """The HTTP app. With `api_key`, every route but /health needs `Authorization: Bearer KEY`,
+    /openapi.json included, and the interactive docs (/docs, /redoc) are off: a browser
+    could not send the key for the schema they load."""
+    frontend = _Frontend(engine, served_model_name, body_limits)
+    docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if api_key else {}
+    app = FastAPI(title="Orbit", version=__version__, **docs)
     install_error_handlers(app)
     app.add_exception_handler(_ClientGone, frontend.on_client_gone)
     app.add_middleware(RequestMetricsMiddleware, metrics=frontend.metrics, routes=_ROUTES)
     guard = [Depends(_bearer_check(api_key))] if api_key else []
+    if api_key:
+
+        async def schema() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        app.add_api_route("/openapi.json", schema, dependencies=guard, include_in_schema=False)
     app.add_api_route("/health", frontend.health, methods=["GET"])
     app.add_api_route("/version", frontend.version, methods=["GET"], dependencies=guard)
     app.add_api_route("/metrics", frontend.metrics_text, methods=["GET"], dependencies=guard)
@@ -88,43 +134,60 @@ def create_app(engine: Engine, served_model_name: str, *, api_key: str | None = 
         frontend.completions,
         methods=["POST"],
         dependencies=guard,
-        openapi_extra=_json_body(CompletionRequest),
+        openapi_extra=frontend.openapi_body(CompletionRequest),
     )
     app.add_api_route(
         "/v1/chat/completions",
         frontend.chat_completions,
         methods=["POST"],
         dependencies=guard,
-        openapi_extra=_json_body(ChatCompletionRequest),
+        openapi_extra=frontend.openapi_body(ChatCompletionRequest),
     )
     return app
 
 
-def _json_body(model: type[BaseModel]) -> dict:
-    """The request schema for /openapi.json: the routes parse their bodies themselves (to
-    answer malformed input with 400, not 422), so FastAPI cannot infer it."""
-    schema = model.model_json_schema()
+def uvicorn_options() -> dict:
+    """The uvicorn.Config arguments that bound a connection's time before and between requests
+    (orbit/serve.py passes them)."""
     return {
-        "requestBody": {
-            "required": True,
-            "content": {
-                "application/json": {"schema": _inline_refs(schema, schema.pop("$defs", {}))}
-            },
-        }
+        "http": HeadTimeoutH11Protocol,
+        "timeout_keep_alive": KEEP_ALIVE_TIMEOUT_S,
+        "h11_max_incomplete_event_size": MAX_HEAD_BYTES,
     }
 
 
-def _inline_refs(node, defs: dict):
-    """Replace pydantic's local $refs with their definitions (the request models have no
-    recursive types), so the schema stands alone inside the OpenAPI document."""
-    if isinstance(node, dict):
-        ref = node.get("$ref", "")
-        if ref.startswith("#/$defs/"):
-            return _inline_refs(defs[ref.removeprefix("#/$defs/")], defs)
-        return {k: _inline_refs(v, defs) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_inline_refs(v, defs) for v in node]
-    return node
+class HeadTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not started a new request (sent its
+    complete head) `head_timeout_s` after it opened or after its last response ended. uvicorn
+    alone waits forever for a first head, its keep-alive timer stops at the first byte of a
+    partial one, and nothing ends a body still trickling in after an early answer (401, 415)."""
+
+    head_timeout_s = REQUEST_HEAD_TIMEOUT_S
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._on_head_timeout)
+
+    def _on_head_timeout(self) -> None:
+        # A request started since the timer was armed has a cycle whose response is unfinished.
+        busy = self.cycle is not None and not self.cycle.response_complete
+        if not busy and not self.transport.is_closing():
+            self.transport.close()
 
 
 def _bearer_check(api_key: str) -> Callable[[Request], Awaitable[None]]:
@@ -188,18 +251,55 @@ def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
+@dataclass(frozen=True)
+class _Prompt:
+    """Prompt text still to be tokenized."""
+
+    text: str
+    add_special_tokens: bool  # False for a rendered chat template: it wrote its own markers
+
+
+def _encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    return tokenizer(text, add_special_tokens=add_special_tokens).input_ids
+
+
+class _Lanes:
+    """Parsing, chat templates and tokenization, off the event loop in two lanes by size: small
+    work has its own thread, so it never queues behind large prompts, which share
+    LARGE_LANE_THREADS. HF fast tokenizers release the GIL while encoding, and encoding never
+    changes a tokenizer's settings (no truncation or padding is asked for), so the threads
+    share one tokenizer."""
+
+    def __init__(self):
+        self._small = ThreadPoolExecutor(1, thread_name_prefix="orbit-small-prompts")
+        self._large = ThreadPoolExecutor(LARGE_LANE_THREADS, thread_name_prefix="orbit-prompts")
+
+    async def run(self, size: int, fn: Callable[..., T], *args) -> T:
+        pool = self._small if size <= SMALL_WORK_BYTES else self._large
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+
 class _Frontend:
     """Route handlers over one engine."""
 
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, body_limits: BodyLimits):
         self.engine = engine
         self.model_name = model_name
+        self.body_limits = body_limits
         self.metrics = FrontendMetrics()
         self.token_texts = TokenTexts(engine.tokenizer)
+        self.prompt_limits = PromptLimits.of(engine.tokenizer, engine.max_seq_len)
+        if self.prompt_limits.max_text_bytes is None:
+            logger.warning(
+                "the tokenizer may drop text: prompts are tokenized before their length is checked"
+            )
         self.created = int(time.time())
-        # One thread: big prompts stay off the event loop, and the tokenizer is never encoding
-        # from two threads at once.
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="orbit-tokenize")
+        self._lanes = _Lanes()
+
+    def openapi_body(self, model_cls: type[RequestModel]) -> dict:
+        """The request schema for /openapi.json: the routes parse their bodies themselves (to
+        answer malformed input with 400, not 422), so FastAPI cannot infer it."""
+        return {"requestBody": openapi_body(model_cls, self.model_name, self.prompt_limits)}
 
     async def health(self) -> JSONResponse:
         if not self.engine.is_ready():
@@ -233,32 +333,51 @@ class _Frontend:
 
     async def completions(self, request: Request) -> Response:
         started_s = time.monotonic()
-        req = await _parse(request, CompletionRequest)
-        self._check_model(req.model)
-        check_completion(req)
-        return await self._generate(request, req, CompletionFormat, started_s)
+        raw = await _read_body(request, self.body_limits)
+        req, prompt = await self._lanes.run(len(raw), self._completion_prompt, raw)
+        return await self._generate(request, req, prompt, CompletionFormat, started_s)
 
     async def chat_completions(self, request: Request) -> Response:
         started_s = time.monotonic()
-        req = await _parse(request, ChatCompletionRequest)
+        raw = await _read_body(request, self.body_limits)
+        req, prompt = await self._lanes.run(len(raw), self._chat_prompt, raw)
+        return await self._generate(request, req, prompt, ChatFormat, started_s)
+
+    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, _Prompt]:
+        req = parse_request(raw, CompletionRequest, self.prompt_limits)
+        self._check_model(req.model)
+        check_completion(req)
+        prompt = completion_prompt(req, self.prompt_limits)
+        return req, (_Prompt(prompt, True) if isinstance(prompt, str) else prompt)
+
+    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt]:
+        req = parse_request(raw, ChatCompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_chat(req)
-        return await self._generate(request, req, ChatFormat, started_s)
+        return req, _Prompt(chat_prompt(req, self.engine.tokenizer, self.prompt_limits), False)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+            name = model[:MAX_ECHO_CHARS]
+            raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+
+    async def _prompt_ids(self, prompt: _Prompt | list[int]) -> list[int]:
+        if not isinstance(prompt, _Prompt):
+            return prompt
+        tokenizer = self.engine.tokenizer
+        return await self._lanes.run(
+            len(prompt.text), _encode, tokenizer, prompt.text, prompt.add_special_tokens
+        )
 
     async def _generate(
-        self, request: Request, req: OpenAIRequest, format_cls, started_s: float
+        self,
+        request: Request,
+        req: OpenAIRequest,
+        prompt: _Prompt | list[int],
+        format_cls,
+        started_s: float,
     ) -> Response:
-        to_ids = (
-            chat_prompt_ids if isinstance(req, ChatCompletionRequest) else completion_prompt_ids
-        )
-        loop = asyncio.get_running_loop()
-        prompt_ids = await loop.run_in_executor(
-            self._tokenize_pool, to_ids, req, self.engine.tokenizer
-        )
+        prompt_ids = await self._prompt_ids(prompt)
         plan = build_plan(req, prompt_ids, self.engine.max_seq_len)
         if not self.engine.is_ready():
             raise ServiceUnavailable("The engine is not ready.")
@@ -435,25 +554,59 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _parse(request: Request, model_cls: type[RequestModel]) -> RequestModel:
-    return parse_request(await _read_body(request), model_cls)
-
-
-async def _read_body(request: Request) -> bytes:
+async def _read_body(request: Request, limits: BodyLimits) -> bytes:
+    """The body of a JSON POST: 415 for another media type, 413 past the size limit, 408 when
+    it stops arriving."""
+    _check_json_content_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise _too_large()
+    if declared.isdigit() and int(declared) > limits.max_bytes:
+        raise _too_large(limits)
     chunks, size_bytes = [], 0
+    stream = request.stream()
+    deadline_s = asyncio.get_running_loop().time() + limits.timeout_s
     try:
-        async for chunk in request.stream():
+        while True:
+            try:
+                async with asyncio.timeout_at(_next_chunk_deadline(limits, deadline_s)):
+                    chunk = await anext(stream, None)
+            except TimeoutError:
+                raise _too_slow(limits) from None
+            if chunk is None:
+                return b"".join(chunks)
             size_bytes += len(chunk)
-            if size_bytes > MAX_BODY_BYTES:
-                raise _too_large()
+            if size_bytes > limits.max_bytes:
+                raise _too_large(limits)
             chunks.append(chunk)
     except ClientDisconnect:
         raise _ClientGone from None
-    return b"".join(chunks)
 
 
-def _too_large() -> PayloadTooLarge:
-    return PayloadTooLarge(f"The request body must be at most {MAX_BODY_BYTES} bytes.")
+def _next_chunk_deadline(limits: BodyLimits, deadline_s: float) -> float:
+    return min(asyncio.get_running_loop().time() + limits.idle_timeout_s, deadline_s)
+
+
+def _check_json_content_type(content_type: str | None) -> None:
+    """application/json, with parameters if any (a charset must be UTF-8, JSON's only one)."""
+    media_type, *params = (content_type or "").split(";")
+    charsets = [
+        v for k, _, v in (p.partition("=") for p in params) if k.strip().lower() == "charset"
+    ]
+    utf8 = all(c.strip().strip('"').lower() in ("utf-8", "utf8") for c in charsets)
+    if media_type.strip().lower() == "application/json" and utf8:
+        return
+    got = f"'{content_type[:MAX_ECHO_CHARS]}'" if content_type else "none"
+    raise UnsupportedMediaType(
+        f"The Content-Type header must be application/json (UTF-8), got {got}; send the JSON "
+        "body with the header 'Content-Type: application/json'."
+    )
+
+
+def _too_large(limits: BodyLimits) -> PayloadTooLarge:
+    return PayloadTooLarge(f"The request body must be at most {limits.max_bytes} bytes.")
+
+
+def _too_slow(limits: BodyLimits) -> RequestTimeout:
+    return RequestTimeout(
+        f"The request body stopped arriving: it must make progress every "
+        f"{limits.idle_timeout_s:g} s and be complete within {limits.timeout_s:g} s."
+    )

@@ -10,7 +10,6 @@ import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import orbit
 from orbit.cluster_config import ClusterConfig, HostConfig
 from orbit.fingerprint import HostFingerprint, Interface
 
@@ -44,8 +43,10 @@ def compare_hosts(
     config: ClusterConfig,
     fps: Sequence[HostFingerprint | None],
     files: Sequence[list[tuple[str, int]]],
+    local_orbit: str,
 ) -> list[Finding]:
-    findings = check_devices(config) + check_software(fps)
+    """`local_orbit`: this machine's orbit_build(), which every host must run."""
+    findings = check_devices(config) + check_software(fps, local_orbit)
     for i, fp in enumerate(fps):
         if fp is not None:
             host = config.hosts[i]
@@ -64,9 +65,23 @@ def check_devices(config: ClusterConfig) -> list[Finding]:
     )]  # fmt: skip
 
 
-def check_software(fps: Sequence[HostFingerprint | None]) -> list[Finding]:
+def check_package(config: ClusterConfig, tp_size: int) -> list[Finding]:
+    """The hosts must place one rank per TP shard of the package."""
+    if config.world_size == tp_size:
+        return []
+    counts = ", ".join(f"hosts[{i}]: {h.num_ranks}" for i, h in enumerate(config.hosts))
+    return [Finding(
+        HARD, "gpus", f"the hosts place {config.world_size} ranks ({counts}) but the package has "
+        f"{tp_size} shards (tp_size {tp_size}); every rank needs exactly one.",
+        f"list {tp_size} GPUs in total across the hosts' gpus, or prepare the package with "
+        f"--tp {config.world_size}.",
+    )]  # fmt: skip
+
+
+def check_software(fps: Sequence[HostFingerprint | None], local_orbit: str) -> list[Finding]:
     """Missing Orbit/torch, and versions that differ between hosts (or, for Orbit, from this
-    machine, whose frontend speaks the wire protocol with the ranks)."""
+    machine's `local_orbit`, release and code: its frontend speaks the wire protocol with the
+    ranks)."""
     findings = []
     for i, fp in enumerate(fps):
         for name in ("orbit", "torch"):
@@ -77,7 +92,7 @@ def check_software(fps: Sequence[HostFingerprint | None]) -> list[Finding]:
                     f"install {name} for hosts.python, or set hosts.env PYTHONPATH.", i,
                 ))  # fmt: skip
     for key, label, severity, fix in VERSION_RULES:
-        want = orbit.__version__ if key == "orbit" else None
+        want = local_orbit if key == "orbit" else None
         findings += _differ(fps, key, label, severity, fix, want)
     return findings
 
@@ -85,7 +100,7 @@ def check_software(fps: Sequence[HostFingerprint | None]) -> list[Finding]:
 # (fingerprint value, name, severity when hosts differ, fix). Python's minor version decides
 # what wheels and bytecode work; a different patch release only earns a warning.
 VERSION_RULES = (
-    ("orbit", "Orbit", HARD, "install Orbit {want} here"),
+    ("orbit", "Orbit", HARD, "install this machine's Orbit here: same commit, no local edits"),
     ("python_minor", "Python", HARD, "point hosts.python at a Python {want}"),
     ("python", "Python", WARN, "use the same Python release ({want}) everywhere"),
     ("torch", "torch", HARD, "install torch {want} here (the same build)"),
@@ -98,6 +113,8 @@ VERSION_RULES = (
 def _value(fp: HostFingerprint, key: str) -> str | None:
     if key == "python_minor":
         return ".".join(fp.python.split(".")[:2])
+    if key == "orbit":
+        return fp.orbit_build
     return getattr(fp, key)
 
 

@@ -114,9 +114,16 @@ def serve(
     max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
     threads: Annotated[int, typer.Option(help="torch threads per CPU rank; 0: cores / ranks.")] = 0,
     model_name: Annotated[str, typer.Option(help="Name served at /v1/models.")] = "",
-    api_key: Annotated[str | None, typer.Option(help="Require this Bearer key.")] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(help="Require this Bearer key (visible in ps; prefer the two below)."),
+    ] = None,
     api_key_file: Annotated[
         Path | None, typer.Option(help="Read the required Bearer key from this file.")
+    ] = None,
+    api_key_env: Annotated[
+        str | None,
+        typer.Option(help="Read the required Bearer key from this environment variable."),
     ] = None,
     trusted_key: Annotated[
         list[Path] | None,
@@ -157,24 +164,31 @@ def serve(
             package = default_package(cache_dir, device)
     except DefaultModelMissing as e:
         fail(str(e))
-    if api_key_file is not None:
-        try:
-            api_key = api_key_file.read_text().strip()
-        except OSError as e:
-            fail(f"cannot read --api-key-file {api_key_file}: {e.strerror}.")
-        if not api_key:
-            fail(f"--api-key-file {api_key_file} is empty.")
+    api_key = _api_key(api_key, api_key_file, api_key_env)
     opts = ServeOptions(
-        package=package, host=host, port=port, model_name=model_name, api_key=api_key,
-        drain_timeout_s=drain_timeout, trusted_keys=tuple(trusted_key or ()), max_queue=max_queue,
+        package=package,
+        host=host,
+        port=port,
+        model_name=model_name,
+        api_key=api_key,
+        drain_timeout_s=drain_timeout,
+        trusted_keys=tuple(trusted_key or ()),
+        max_queue=max_queue,
         cluster=cluster,
-        ranks=LocalRankOptions(device=device, kv_pages=kv_pages, kv_cache_mb=kv_cache_mb,
-                               threads=threads, trusted_keys=tuple(trusted_key or ())),
+        ranks=LocalRankOptions(
+            device=device,
+            kv_pages=kv_pages,
+            kv_cache_mb=kv_cache_mb,
+            threads=threads,
+            trusted_keys=tuple(trusted_key or ()),
+        ),
     )
 
     def on_ready(engine) -> None:
-        err.print(f"serving {engine.model_name} on http://{host}:{port}/v1 "
-                  f"({opts.package}, {engine.scheduler.config.num_pages} KV pages)")
+        err.print(
+            f"serving {engine.model_name} on http://{host}:{port}/v1 "
+            f"({opts.package}, {engine.scheduler.config.num_pages} KV pages)"
+        )
 
     try:
         code = asyncio.run(run_serve(opts, on_ready=on_ready))
@@ -183,6 +197,36 @@ def serve(
     except (ClusterError, ClusterConfigError) as e:
         fail(_message(e))
     raise typer.Exit(code)
+
+
+def _api_key(key: str | None, key_file: Path | None, key_env: str | None) -> str | None:
+    """The Bearer key from at most one of --api-key, --api-key-file, --api-key-env."""
+    import os
+
+    options = {"--api-key": key, "--api-key-file": key_file, "--api-key-env": key_env}
+    given = [name for name, value in options.items() if value is not None]
+    if len(given) > 1:
+        fail(f"give only one of {', '.join(options)}, not {' and '.join(given)}.")
+    if key is not None:
+        err.print(
+            "[yellow]warning:[/] --api-key is visible to other local users (ps, /proc); "
+            "use --api-key-file or --api-key-env instead.",
+            highlight=False,
+        )
+    if key_file is not None:
+        try:
+            key = key_file.read_text().strip()
+        except OSError as e:
+            fail(f"cannot read --api-key-file {key_file}: {e.strerror}.")
+        if not key:
+            fail(f"--api-key-file {key_file} is empty.")
+    if key_env is not None:
+        key = os.environ.get(key_env, "").strip()
+        if not key:
+            fail(f"--api-key-env {key_env}: that environment variable is unset or empty.")
+    if key == "":
+        fail("--api-key is empty.")
+    return key
 
 
 # ---- cluster commands: orbit/cluster_up.py, cluster_ops.py, cluster_display.py ---------------
@@ -198,18 +242,25 @@ def _message(e: BaseException) -> str:
     return escape("\n".join([str(e), *getattr(e, "__notes__", [])]))
 
 
-def _run_cluster(make_coro, ctrl_c_ends: bool = False):
+def _run_cluster(make_coro, ctrl_c_ends: bool = False, live=None):
     """asyncio.run the library call; typed errors become one message and exit status 1. With
-    ctrl_c_ends, Ctrl-C is the normal way out (logs --follow) and exits 0."""
+    ctrl_c_ends, Ctrl-C is the normal way out (logs --follow) and exits 0. `live` (a progress
+    display) is closed before the message, so the message is the last thing printed."""
     import asyncio
+    import contextlib
+    import logging
 
     from orbit.cluster_config import ClusterConfigError
     from orbit.curve import CurveError
     from orbit.ssh import ClusterError
     from runtime.package import PackageError
 
+    # Every failure asyncssh logs also reaches us as an exception, which says it in one line;
+    # its own log records (with tracebacks) would bury that line.
+    logging.getLogger("asyncssh").setLevel(logging.CRITICAL)
     try:
-        return asyncio.run(make_coro())
+        with live or contextlib.nullcontext():
+            return asyncio.run(make_coro())
     except (ClusterError, ClusterConfigError, CurveError, PackageError) as e:
         fail(_message(e))
     except KeyboardInterrupt:
@@ -263,8 +314,8 @@ def up(
         force=force,
         join_timeout_s=join_timeout,
     )
-    with RichUpEvents(err) as events:
-        result = _run_cluster(lambda: run_up(cluster_toml, opts, events))
+    events = RichUpEvents(err)
+    result = _run_cluster(lambda: run_up(cluster_toml, opts, events), live=events)
     state = result.state
     what = "already up" if result.already_running else "up"
     err.print(

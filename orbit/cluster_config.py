@@ -23,9 +23,14 @@ DEFAULT_PYTHON = "python3"
 DEFAULT_FRONTEND_ADDRESS = "127.0.0.1"
 DEFAULT_PORT_RANGE = (29500, 29600)
 DEVICES = ("cuda", "cpu")
+# [ssh] defaults, chosen for hosts on one LAN (docs/cluster.md, "[ssh]").
+DEFAULT_KEEPALIVE_INTERVAL_S = 5.0
+DEFAULT_KEEPALIVE_COUNT_MAX = 3
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
-TOP_KEYS = ("package", "require_signature", "trusted_keys", "frontend", "hosts")
+TOP_KEYS = ("package", "require_signature", "trusted_keys", "frontend", "ssh", "hosts")
 FRONTEND_KEYS = ("address", "port_range")
+SSH_KEYS = ("keepalive_interval_s", "keepalive_count_max", "stall_timeout_s")
 HOST_KEYS = (
     "address",
     "ssh_port",
@@ -58,6 +63,26 @@ class FrontendConfig:
     address: str = DEFAULT_FRONTEND_ADDRESS
     # Inclusive [start, end] of the ports the frontend may bind for rank traffic.
     port_range: tuple[int, int] = DEFAULT_PORT_RANGE
+
+
+@dataclass(frozen=True)
+class SshConfig:
+    """How long Orbit waits on hosts over SSH before it gives one up."""
+
+    # Seconds without a byte from a host before an SSH keepalive is sent to it.
+    keepalive_interval_s: float = DEFAULT_KEEPALIVE_INTERVAL_S
+    # Keepalives left unanswered before the connection counts as lost: a host that falls
+    # silent (power, cable, firewall) is given up after interval x (count_max + 1) seconds.
+    keepalive_count_max: int = DEFAULT_KEEPALIVE_COUNT_MAX
+    # Longest wait for the answer to one SFTP request of a push (an 8 MiB write, a rename) on
+    # a connection that still answers keepalives (a hung disk or sftp-server). A limit per
+    # request, not per push: a large package takes as long as it takes.
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S
+
+    @property
+    def silence_limit_s(self) -> float:
+        """How long a silent host takes to count as lost."""
+        return self.keepalive_interval_s * (self.keepalive_count_max + 1)
 
 
 @dataclass(frozen=True)
@@ -110,6 +135,7 @@ class ClusterConfig:
     # files): orbit up checks it before pushing, and every rank checks it before loading.
     require_signature: bool = False
     trusted_keys: tuple[Path, ...] = ()
+    ssh: SshConfig = SshConfig()
 
     @property
     def world_size(self) -> int:
@@ -246,6 +272,7 @@ class _Reader:
             frontend=self.frontend(data.get("frontend", {})),
             require_signature=self.require_signature(data),
             trusted_keys=self.trusted_keys(data),
+            ssh=self.ssh(data.get("ssh", {})),
         )
 
     def require_signature(self, data: dict[str, Any]) -> bool:
@@ -272,6 +299,21 @@ class _Reader:
         return FrontendConfig(
             address=self.word(table, (*at, "address"), DEFAULT_FRONTEND_ADDRESS),
             port_range=self.port_range(table, (*at, "port_range")),
+        )
+
+    def ssh(self, table: Any) -> SshConfig:
+        at: FieldPath = ("ssh",)
+        if not isinstance(table, dict):
+            raise self.error(at, "must be a table: [ssh].")
+        self.check_keys(table, SSH_KEYS, at)
+        return SshConfig(
+            keepalive_interval_s=self.seconds(
+                table, (*at, "keepalive_interval_s"), DEFAULT_KEEPALIVE_INTERVAL_S
+            ),
+            keepalive_count_max=self.count(
+                table, (*at, "keepalive_count_max"), DEFAULT_KEEPALIVE_COUNT_MAX
+            ),
+            stall_timeout_s=self.seconds(table, (*at, "stall_timeout_s"), DEFAULT_STALL_TIMEOUT_S),
         )
 
     def port_range(self, table: dict[str, Any], at: FieldPath) -> tuple[int, int]:
@@ -367,6 +409,18 @@ class _Reader:
         value = table.get(at[-1], default)
         if not _is_int(value) or not 1 <= value <= 65535:
             raise self.error(at, f"must be an integer from 1 to 65535, got {value!r}.")
+        return value
+
+    def seconds(self, table: dict[str, Any], at: FieldPath, default: float) -> float:
+        value = table.get(at[-1], default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+            raise self.error(at, f"must be a number of seconds > 0, got {value!r}.")
+        return float(value)
+
+    def count(self, table: dict[str, Any], at: FieldPath, default: int) -> int:
+        value = table.get(at[-1], default)
+        if not _is_int(value) or value < 1:
+            raise self.error(at, f"must be an integer >= 1, got {value!r}.")
         return value
 
     def boolean(self, table: dict[str, Any], at: FieldPath, default: bool) -> bool:

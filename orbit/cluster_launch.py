@@ -21,7 +21,7 @@ from pathlib import Path
 import asyncssh
 import zmq
 
-from orbit.cluster_config import FrontendConfig, HostConfig
+from orbit.cluster_config import DEFAULT_STALL_TIMEOUT_S, FrontendConfig, HostConfig
 from orbit.cluster_remote import (
     LOG_TAIL_LINES,
     RankLaunch,
@@ -130,10 +130,11 @@ def _threads_preamble(num_ranks: int) -> str:
 
 async def start_host(
     conn: asyncssh.SSHClientConnection, host: HostRecord, launches: list[RankLaunch],
-    keys_dir: Path, on_state: RankStateFn,
+    keys_dir: Path, on_state: RankStateFn, stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> dict[int, int]:  # fmt: skip
     """Give the host the ranks' CURVE keys, start its ranks detached; return {rank: pid}."""
-    await push_rank_keys(conn, keys_dir, host.curve_dir)
+    ranks = [r.rank for r in launches]
+    await push_rank_keys(conn, keys_dir, host.curve_dir, ranks, stall_timeout_s)
     pids = await launch_ranks(conn, host.run_dir, launches, _threads_preamble(len(launches)))
     for rank in pids:
         on_state(rank, host.label, "starting", "")
@@ -295,11 +296,15 @@ def pick_frontend_port(frontend: FrontendConfig) -> int:
     )
 
 
-def bind_frontend(tp_size: int, address: str, port: int, curve: ServerKeys) -> BringUpLink:
+def bind_frontend(
+    tp_size: int, address: str, port: int, curve: ServerKeys, package_digest: str = ""
+) -> BringUpLink:
     """The frontend's ROUTER on address:port, admitting only ranks with the cluster's CURVE
     client key; raises FrontendBindError with the fix."""
     try:
-        return BringUpLink(tp_size, address, port, curve=curve)
+        return BringUpLink(
+            tp_size, curve, bind_host=address, port=port, package_digest=package_digest
+        )
     except zmq.ZMQError as e:
         if e.errno == errno.EADDRNOTAVAIL:
             raise _not_local(address) from None

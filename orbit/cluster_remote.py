@@ -27,14 +27,25 @@ from typing import Any, Self, TypeVar
 
 import asyncssh
 
-from orbit.cluster_config import HostConfig
-from orbit.ssh import ClusterError, HostUnreachableError, connect, host_label, run
+from orbit.cluster_config import DEFAULT_STALL_TIMEOUT_S, HostConfig, SshConfig
+from orbit.curve import rank_key_files
+from orbit.ssh import (
+    SFTP_LOST,
+    ClusterError,
+    HostUnreachableError,
+    SftpSession,
+    connect,
+    host_label,
+    lost,
+    run,
+)
 
 T = TypeVar("T")
 PID_WAIT_S = 5.0  # a started rank writes its pid file within milliseconds
 STOP_GRACE_S = 10.0  # SIGTERM to SIGKILL
 KILL_WAIT_S = 5.0
 LOG_TAIL_LINES = 30
+CLOSE_WAIT_S = 5.0  # closing aborts the transport; this only bounds asyncssh's clean-up
 
 
 class RankLaunchError(ClusterError):
@@ -106,12 +117,16 @@ class HostPool:
     """SSH connections by login (address, port, user), opened in parallel, closed together.
 
     Two [[hosts]] entries may share a login (different workdirs): they share one connection,
-    opened once even when both ask at the same time.
+    opened once even when both ask at the same time. Every connection sends keepalives as
+    `ssh` says (default: [ssh]'s defaults).
     """
 
-    def __init__(self, accept_new_host_keys: bool, connect_timeout_s: float) -> None:
+    def __init__(
+        self, accept_new_host_keys: bool, connect_timeout_s: float, ssh: SshConfig | None = None
+    ) -> None:
         self.accept_new_host_keys = accept_new_host_keys
         self.connect_timeout_s = connect_timeout_s
+        self.ssh = ssh or SshConfig()
         self._opening: dict[tuple[str, int, str], asyncio.Task] = {}
 
     async def __aenter__(self) -> Self:
@@ -126,15 +141,18 @@ class HostPool:
                 opened.append(task.result())
         for conn in opened:
             conn.close()
-        for conn in opened:
-            await conn.wait_closed()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(
+                asyncio.gather(*(c.wait_closed() for c in opened), return_exceptions=True),
+                CLOSE_WAIT_S,
+            )
         self._opening.clear()
 
     async def get(self, host: HostConfig) -> asyncssh.SSHClientConnection:
         key = (host.address, host.ssh_port, host.user)
         if key not in self._opening:
             self._opening[key] = asyncio.ensure_future(
-                connect(host, self.accept_new_host_keys, self.connect_timeout_s)
+                connect(host, self.accept_new_host_keys, self.connect_timeout_s, self.ssh)
             )
         return await asyncio.shield(self._opening[key])
 
@@ -234,31 +252,39 @@ async def free_remote_port(
     return int(out)
 
 
-# Of the key directory orbit/curve.py makes, what ranks need; the frontend's secret stays local.
-RANK_KEY_FILES = ("client.key_secret", "server.key")
-
-
 async def push_rank_keys(
-    conn: asyncssh.SSHClientConnection, local_dir: Path, remote_dir: str
+    conn: asyncssh.SSHClientConnection,
+    local_dir: Path,
+    remote_dir: str,
+    ranks,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> None:
-    """Copy the ranks' CURVE files into a private folder on the host (0700, files 0600)."""
+    """Copy the CURVE files of the host's ranks into a private folder on the host (0700, files
+    0600): their own secret keys and the frontend's public key; the frontend's secret and
+    other hosts' rank keys stay where they are."""
     await run(
         conn, f"mkdir -p -- {shlex.quote(remote_dir)} && chmod 700 -- {shlex.quote(remote_dir)}"
     )
     private = asyncssh.SFTPAttrs(permissions=0o600)
+    write = asyncssh.FXF_WRITE | asyncssh.FXF_CREAT | asyncssh.FXF_TRUNC
     try:
-        async with conn.start_sftp_client() as sftp:
+        # Not aborted on Ctrl-C: after a failed start the connection must still stop ranks.
+        async with SftpSession(conn, stall_timeout_s, abort_on_cancel=False) as sftp:
             trusted = sorted(p.name for p in local_dir.glob("trusted-*.pub"))
-            for name in (*RANK_KEY_FILES, *trusted):
+            for name in (*rank_key_files(ranks), *trusted):
                 path = posixpath.join(remote_dir, name)
-                async with sftp.open(path, "wb", attrs=private) as f:
-                    await f.write((local_dir / name).read_bytes())
-                await sftp.chmod(path, 0o600)  # in case the file was there already
-    except asyncssh.Error as e:
+                async with sftp.open(path, write, private) as f:
+                    await sftp(f.write((local_dir / name).read_bytes(), 0))
+                await sftp(sftp.client.chmod(path, 0o600))  # in case the file was there already
+    except SFTP_LOST as e:
+        raise lost(conn, "while writing the CURVE keys", e) from None
+    except asyncssh.SFTPError as e:
         raise RankLaunchError(
-            f"cannot write the CURVE keys to {remote_dir} on {host_label(conn)} ({e}); check "
-            "that the workdir is writable."
+            f"cannot write the CURVE keys to {remote_dir} on {host_label(conn)} ({e.reason}); "
+            "check that the workdir is writable."
         ) from None
+    except (OSError, asyncssh.Error) as e:
+        raise lost(conn, "while writing the CURVE keys", e) from None
 
 
 async def remove_remote_dir(conn: asyncssh.SSHClientConnection, path: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def cluster_target(config_path: Path) -> ClusterTarget:
     return ClusterTarget(config.package, state)
 
 
-def bind_cluster_link(target: ClusterTarget) -> RankLink:
-    """The endpoint the ranks were started with, secured with the cluster's CURVE keys."""
+def bind_cluster_link(target: ClusterTarget, package_digest: str) -> RankLink:
+    """The endpoint the ranks were started with, secured with the cluster's CURVE keys; ranks
+    that say (in their Hello) they run a package other than package_digest fail the link."""
     state = target.state
     try:
         keys = ServerKeys.load(Path(state.curve_dir))
@@ -65,7 +67,9 @@ def bind_cluster_link(target: ClusterTarget) -> RankLink:
         raise ClusterStateError(
             f"{e} The cluster's keys are gone; run `orbit up {state.config_path}` again."
         ) from None
-    return bind_frontend(state.tp_size, state.frontend_address, state.frontend_port, keys)
+    return bind_frontend(
+        state.tp_size, state.frontend_address, state.frontend_port, keys, package_digest
+    )
 
 
 async def attach(link: RankLink, target: ClusterTarget) -> None:
@@ -83,10 +87,27 @@ async def attach(link: RankLink, target: ClusterTarget) -> None:
         raise link.failure from None
 
 
+class LoopLag:
+    """Whether this event loop ran on time since the last look. After a stall of the loop
+    itself, heartbeats wait unread in the socket: silence is judged only once the reader has
+    had a turn to take them."""
+
+    def __init__(self, interval_s: float = WATCH_INTERVAL_S):
+        self.interval_s = interval_s
+        self._last = time.monotonic()
+
+    def caught_up(self) -> bool:
+        now = time.monotonic()
+        on_time = now - self._last < self.interval_s + 1.0
+        self._last = now
+        return on_time
+
+
 async def watch_heartbeats(link: RankLink, engine: Engine, target: ClusterTarget) -> None:
     """Fail everything when a rank falls silent."""
+    lag = LoopLag()
     while link.failure is None:
-        silent = link.silent_ranks(HEARTBEAT_SILENCE_S)
+        silent = link.silent_ranks(HEARTBEAT_SILENCE_S) if lag.caught_up() else []
         if silent:
             host = target.state.host_of(target.state.ranks[silent[0]]).label
             link.fail(

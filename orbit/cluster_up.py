@@ -7,9 +7,13 @@ How bring-up works:
 2b. Preflight (orbit/preflight.py): fingerprint every host, compare them, choose the interface
    for collectives, check that the frontend and torch.distributed ports are reachable from
    every host. A HARD finding stops here unless --force.
-3. If a cluster is recorded for this cluster.toml: with the same package and launch settings and
-   every rank alive, stop here (no-op); otherwise stop the recorded ranks first.
+3. If a cluster is recorded for this cluster.toml with the same package and launch settings and
+   every rank alive, stop here (no-op).
 4. Push each host its ranks' files in parallel (orbit/push.py verifies every blob on the host).
+   Ranks of an earlier bring-up keep running meanwhile: the package lands in its own
+   content-addressed folder, and blobs are never changed in place. Only once every host has
+   its files are they stopped, so a replacement is down for the stop and start, not the push;
+   a push that fails leaves them running and recorded.
 5. Use the ports the preflight checked (the frontend port free here, the torch.distributed
    port free on rank 0's host, both from frontend.port_range), bind the frontend endpoint,
    start the ranks detached with the chosen interface pinned.
@@ -66,11 +70,11 @@ from orbit.cluster_state import (
 )
 from orbit.curve import ServerKeys, create_keys
 from orbit.fingerprint import PROBE_TIMEOUT_S
-from orbit.preflight import Ports, PreflightReport, preflight, refusal
+from orbit.preflight import Ports, PreflightReport, preflight, refusal, trusted_keys
 from orbit.push import PushResult, push_package
 from orbit.readiness import BringUpLink, collectives_text, collectives_warnings
 from orbit.ssh import DEFAULT_CONNECT_TIMEOUT_S
-from runtime.package import Package, PackageError, open_package
+from runtime.package import Package, open_package
 
 __all__ = ["FrontendBindError", "RankStartError", "UpEvents", "UpOptions", "UpResult", "up"]
 
@@ -79,7 +83,8 @@ __all__ = ["FrontendBindError", "RankStartError", "UpEvents", "UpOptions", "UpRe
 class UpOptions:
     accept_new_host_keys: bool = False
     # Bounds connecting (at most DEFAULT_CONNECT_TIMEOUT_S per host) and, after the push, the
-    # wait for every rank's Ready; the push itself is bounded by its per-file timeouts.
+    # wait for every rank's Ready. The push has no overall deadline: cluster.toml's [ssh]
+    # bounds each of its requests and gives up on a host that falls silent.
     timeout_s: float = 600.0
     kv_pages: int = 0  # 0: ranks size their KV cache from memory (or kv_cache_mb on CPU)
     kv_cache_mb: int = 512
@@ -121,31 +126,18 @@ async def up(
     PackageError. Nothing this call started is left running when it raises."""
     events = events or UpEvents()
     config = load_cluster_config(config_path)
-    pkg = open_package(config.package, trusted_keys=_trusted_keys(config))
+    pkg = open_package(config.package, trusted_keys=trusted_keys(config))
     config.check_tp_size(pkg.tp_size)
     _warn_if_unreachable_frontend(config, events)
     with cluster_lock(config_path):
         return await _up(Path(config_path), config, pkg, opts, events)
 
 
-def _trusted_keys(config: ClusterConfig) -> list | None:
-    """With require_signature, the package must be signed by one of trusted_keys; a bad key
-    file is a PackageError like a bad signature, naming the file."""
-    if not config.require_signature:
-        return None
-    from runtime.signing import SignatureError, load_public_key
-
-    try:
-        return [load_public_key(k) for k in config.trusted_keys]
-    except SignatureError as e:
-        raise PackageError(str(e)) from None
-
-
 async def _up(
     config_path: Path, config: ClusterConfig, pkg: Package, opts: UpOptions, events: UpEvents
 ) -> UpResult:
     connect_timeout_s = min(opts.timeout_s, DEFAULT_CONNECT_TIMEOUT_S)
-    async with HostPool(opts.accept_new_host_keys, connect_timeout_s) as pool:
+    async with HostPool(opts.accept_new_host_keys, connect_timeout_s, config.ssh) as pool:
         conns = await pool.get_all(config.hosts)
         report = await preflight(conns, config, pkg, min(opts.timeout_s, PROBE_TIMEOUT_S))
         events.preflight(report)
@@ -153,20 +145,22 @@ async def _up(
             raise refusal(report)
         fingerprint = launch_fingerprint(config, opts, report.interfaces)
         previous = load_state(config_path)
+        if previous is not None and await _still_up(pool, previous, pkg.digest, fingerprint):
+            return UpResult(previous, already_running=True, replaced=False)
+        pushed = await _push_all(conns, config, pkg, events)  # the old ranks serve meanwhile
         if previous is not None:
-            same = (previous.package_digest, previous.launch_fingerprint) == (
-                pkg.digest,
-                fingerprint,
-            )
-            if same and await all_alive(pool, previous):
-                return UpResult(previous, already_running=True, replaced=False)
             events.note("stopping the ranks of the previous bring-up")
             await stop_cluster(pool, previous, opts.stop_grace_s)
             remove_state(config_path)  # they are gone, whatever happens next
-        pushed = await _push_all(conns, config, pkg, events)
         launch = _Launch(config, conns, pushed, pkg, fingerprint, report)
         state = await _start(config_path, launch, opts, events)
     return UpResult(state, already_running=False, replaced=previous is not None)
+
+
+async def _still_up(pool: HostPool, previous: ClusterState, digest: str, fingerprint: str) -> bool:
+    """Whether the recorded ranks run this package with these launch settings, all alive."""
+    same = (previous.package_digest, previous.launch_fingerprint) == (digest, fingerprint)
+    return same and await all_alive(pool, previous)
 
 
 def _warn_if_unreachable_frontend(config: ClusterConfig, events: UpEvents) -> None:
@@ -216,9 +210,11 @@ async def _push_all(
         def progress(done_bytes: int, total_bytes: int) -> None:
             events.push_progress(i, done_bytes, total_bytes)
 
-        events.push_started(i, config.hosts[i].label)
+        host = config.hosts[i]
+        events.push_started(i, host.label)
+        stall_s = config.ssh.stall_timeout_s
         result = await push_package(
-            conns[i], pkg.root, config.hosts[i].workdir, config.ranks_on(i), progress
+            conns[i], pkg.root, host.workdir, config.ranks_on(i), progress, stall_s
         )
         events.pushed(i, result)
         return result
@@ -256,7 +252,7 @@ async def _start(
     """Steps 5 to 7 of the bring-up; returns the recorded state."""
     config, conns, pkg = launch.config, launch.conns, launch.pkg
     ports = await _ports(launch)
-    keys = create_keys(curve_key_dir(config_path))  # fresh per bring-up
+    keys = create_keys(curve_key_dir(config_path), pkg.tp_size)  # fresh per bring-up
     if config.require_signature:  # ranks check the signature themselves, with these keys
         for i, key in enumerate(config.trusted_keys):
             shutil.copyfile(key, keys / f"trusted-{i}.pub")
@@ -286,8 +282,9 @@ async def _start(
     )
     link.start()
     try:
+        stall_s = config.ssh.stall_timeout_s
         found = await run_all(
-            start_host(conns[h.index], h, launches[h.index], keys, events.rank_state)
+            start_host(conns[h.index], h, launches[h.index], keys, events.rank_state, stall_s)
             for h in state.hosts
         )
         await wait_ready(link, started, pkg.digest, opts.timeout_s, events.rank_state)

@@ -18,12 +18,12 @@ from rich.table import Table
 from rich.text import Text
 
 from orbit.checks import HARD, Finding
-from orbit.cluster_config import HostConfig, load_cluster_config
+from orbit.cluster_config import ClusterConfig, HostConfig, load_cluster_config
 from orbit.cluster_remote import HostPool
 from orbit.fingerprint import PROBE_TIMEOUT_S, HostFingerprint
-from orbit.preflight import PreflightReport, host_name, preflight
+from orbit.preflight import PreflightReport, host_name, preflight, trusted_keys
 from orbit.ssh import DEFAULT_CONNECT_TIMEOUT_S, ClusterError
-from runtime.package import open_package
+from runtime.package import PackageError, open_package
 
 # The fingerprint table's columns: (title, the Finding.check values that mark its cell).
 COLUMNS = (
@@ -51,19 +51,31 @@ class DoctorOptions:
 
 
 async def doctor(config_path: Path | str, opts: DoctorOptions = DoctorOptions()) -> PreflightReport:
-    """Check every host of cluster.toml; raises ClusterConfigError or PackageError for a bad
-    file or package, and reports everything about the hosts as findings."""
+    """Check every host of cluster.toml; raises ClusterConfigError or PackageError for a file
+    or package that cannot be read, and reports everything else as findings: the hosts, and
+    a package that does not fit cluster.toml (shards vs ranks, a signature it requires)."""
     config = load_cluster_config(config_path)
     pkg = open_package(config.package)
-    async with HostPool(opts.accept_new_host_keys, opts.connect_timeout_s) as pool:
+    async with HostPool(opts.accept_new_host_keys, opts.connect_timeout_s, config.ssh) as pool:
         conns = await asyncio.gather(*(_connect(pool, h) for h in config.hosts))
         report = await preflight(conns, config, pkg, opts.probe_timeout_s)
+    signature = check_signature(config)
+    return dataclasses.replace(report, findings=(*signature, *report.findings))
+
+
+def check_signature(config: ClusterConfig) -> list[Finding]:
+    """With require_signature, whether the package is signed by one of trusted_keys (as
+    `orbit up` and every rank check it)."""
+    if not config.require_signature:
+        return []
     try:
-        config.check_tp_size(pkg.tp_size)
-    except ValueError as e:
-        tp = Finding(HARD, "gpus", str(e), "see the message.")
-        report = dataclasses.replace(report, findings=(*report.findings, tp))
-    return report
+        open_package(config.package, verify_tokenizer=False, trusted_keys=trusted_keys(config))
+    except PackageError as e:
+        return [Finding(
+            HARD, "package", str(e), "sign the package (`orbit prepare --sign KEY`) with a key "
+            "whose public half is in cluster.toml's trusted_keys, or add its signer's there.",
+        )]  # fmt: skip
+    return []
 
 
 async def _connect(pool: HostPool, host: HostConfig) -> asyncssh.SSHClientConnection | ClusterError:
@@ -98,7 +110,7 @@ def _cells(report: PreflightReport, i: int, fp: HostFingerprint | None) -> list[
     free = ", ".join(f"{g.free_mib} MiB" for g in fp.gpus if g.index in host.gpus)
     return [
         f"{host.label} ({fp.hostname})",
-        fp.orbit or "missing",
+        fp.orbit_build or "missing",
         fp.python,
         fp.torch or "missing",
         fp.cuda_runtime or "-",

@@ -64,6 +64,10 @@ class RequestTooLarge(ValueError):
     """A request that can never fit the package's prepared capacities (400)."""
 
 
+class SequenceFailed(Exception):
+    """Planning or sampling this one sequence failed; the engine and other requests go on."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_name: str
@@ -132,6 +136,10 @@ class Engine:
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise EngineOverloaded(f"{len(self.scheduler.waiting)} requests are already queued")
         seq = self._sequence(prompt_ids, params)
+        try:  # what the plan will carry: a value the wire cannot hold is refused here
+            _wire_sampling(seq)
+        except (ValueError, TypeError) as e:
+            raise RequestTooLarge(f"a sampling parameter is out of range ({e})") from None
         scheduler = self.scheduler  # after a rank failure and restart, a new one takes over
         try:
             scheduler.add(seq)
@@ -173,6 +181,11 @@ class Engine:
                 "# TYPE orbit_preemptions_total counter",
                 f"orbit_preemptions_total {s.num_preemptions}",
             ]
+        if self.link is not None:
+            lines += [
+                "# TYPE orbit_rank_messages_dropped_total counter",
+                f"orbit_rank_messages_dropped_total {self.link.dropped_messages}",
+            ]
         lines += [
             "# TYPE orbit_steps_total counter",
             f"orbit_steps_total {self.steps}",
@@ -205,6 +218,11 @@ class Engine:
         self._stopping = True
 
     @property
+    def error(self) -> EngineError | None:
+        """Why the engine stopped serving, once it has."""
+        return self._error
+
+    @property
     def stopping(self) -> bool:
         return self._stopping
 
@@ -223,7 +241,16 @@ class Engine:
         self._wake.set()
 
     async def run(self) -> None:
-        """The step loop; returns when the engine fails or is closed."""
+        """The step loop; returns when the engine fails or is closed. A loop that dies of a bug
+        fails the engine (every request ends, /health 503) and says so in the log, so the
+        server never looks healthy over a wedge."""
+        try:
+            await self._loop()
+        except Exception as e:  # logged with its traceback, then the engine fails
+            log.exception("the step loop failed")
+            self.fail(EngineError(f"the step loop failed: {type(e).__name__}: {e}"))
+
+    async def _loop(self) -> None:
         in_flight: deque[tuple[Step, asyncio.Future, float]] = deque()  # sent, oldest first
         try:
             while self._error is None:
@@ -255,7 +282,8 @@ class Engine:
     def _sequence(self, prompt_ids: list[int], p: SamplingParams) -> Sequence:
         if not prompt_ids:
             raise RequestTooLarge("the prompt is empty")
-        seed = p.seed if p.seed is not None else secrets.randbits(62)
+        # Any int64 seed maps to a distinct uint64 (two's complement), so -1 and 2**63 - 1 differ.
+        seed = p.seed & _UINT64_MASK if p.seed is not None else secrets.randbits(64)
         return Sequence(
             seq_id=next(self._seq_ids),
             prompt_ids=list(prompt_ids),
@@ -264,7 +292,7 @@ class Engine:
                 temperature=p.temperature,
                 top_p=p.top_p,
                 top_k=p.top_k,
-                seed=seed % (1 << 63),
+                seed=seed,
                 num_logprobs=-1 if p.logprobs is None else p.logprobs,
             ),
             stop_token_ids=frozenset() if p.ignore_eos else frozenset(self.config.eos_token_ids),
@@ -274,8 +302,22 @@ class Engine:
         step = self.scheduler.schedule()
         if step is None:
             return False
-        in_flight.append((step, self.link.submit(_plan(step)), time.perf_counter()))
+        plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
+        for chunk in step.chunks:
+            try:
+                _add_chunk(plan, chunk)
+            except Exception as e:  # this sequence alone fails
+                log.exception("planning sequence %d failed", chunk.seq.seq_id)
+                self._fail_sequence(chunk.seq, f"planning failed: {type(e).__name__}: {e}")
+        in_flight.append((step, self.link.submit(plan), time.perf_counter()))
         return True
+
+    def _fail_sequence(self, seq: Sequence, why: str) -> None:
+        """End one sequence with an error; its pages are released with the next step."""
+        self.scheduler.abort(seq)
+        queue = self._streams.get(seq.seq_id)
+        if queue is not None:
+            queue.put_nowait(SequenceFailed(why))
 
     async def _next_result(self, in_flight: deque) -> tuple[Step, wire_pb2.StepResult]:
         step, fut, sent_at = in_flight.popleft()
@@ -291,6 +333,13 @@ class Engine:
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
         samples = {s.seq_id: s for s in result.samples}
+        for c in step.sampling_chunks:
+            failed = samples.get(c.seq.seq_id)
+            if failed is not None and failed.error and c.seq.status is Status.RUNNING:
+                log.error(
+                    "sampling sequence %d failed on the ranks: %s", c.seq.seq_id, failed.error
+                )
+                self._fail_sequence(c.seq, f"sampling failed: {failed.error}")
         for seq in self.scheduler.apply(step, {k: s.token_id for k, s in samples.items()}):
             queue = self._streams.get(seq.seq_id)
             if queue is None:
@@ -307,31 +356,33 @@ class Engine:
             )
 
 
-def _plan(step: Step) -> wire_pb2.StepPlan:
-    plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
-    for c in step.chunks:
-        if c.is_new:
-            p = c.seq.sampling
-            plan.new_seqs.append(
-                wire_pb2.NewSequence(
-                    seq_id=c.seq.seq_id,
-                    sampling=wire_pb2.SamplingParams(
-                        temperature=p.temperature,
-                        top_p=p.top_p,
-                        top_k=p.top_k,
-                        seed=p.seed,
-                        num_logprobs=p.num_logprobs,
-                    ),
-                )
-            )
-        plan.seqs.append(
-            wire_pb2.SeqStep(
-                seq_id=c.seq.seq_id,
-                token_ids=c.token_ids,
-                start_pos=c.start_pos,
-                new_pages=c.new_pages,
-                sample=c.sample,
-                follows_sample=c.follows_sample,
-            )
+_UINT64_MASK = (1 << 64) - 1
+
+
+def _wire_sampling(seq: Sequence) -> wire_pb2.SamplingParams:
+    """Raises ValueError or TypeError for a value the wire types cannot hold."""
+    p = seq.sampling
+    return wire_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
+        seed=p.seed,
+        num_logprobs=p.num_logprobs,
+    )
+
+
+def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
+    """Append one sequence's part of a step; a failure leaves the plan without it."""
+    step = wire_pb2.SeqStep(
+        seq_id=c.seq.seq_id,
+        token_ids=c.token_ids,
+        start_pos=c.start_pos,
+        new_pages=c.new_pages,
+        sample=c.sample,
+        follows_sample=c.follows_sample,
+    )
+    if c.is_new:
+        plan.new_seqs.append(
+            wire_pb2.NewSequence(seq_id=c.seq.seq_id, sampling=_wire_sampling(c.seq))
         )
-    return plan
+    plan.seqs.append(step)

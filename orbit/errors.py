@@ -62,6 +62,18 @@ class PayloadTooLarge(ApiError):
     default_code = "request_too_large"
 
 
+class RequestTimeout(ApiError):
+    status_code = 408
+    error_type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
+class UnsupportedMediaType(ApiError):
+    status_code = 415
+    error_type = "invalid_request_error"
+    default_code = "unsupported_media_type"
+
+
 class InternalError(ApiError):
     status_code = 500
     error_type = "server_error"
@@ -85,15 +97,21 @@ def error_body(message: str, error_type: str, param: str | None, code: str | Non
 
 
 def error_response(err: ApiError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status_code in (429, 503) else None
-    return JSONResponse(err.body(), status_code=err.status_code, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status_code in (429, 503) else {}
+    if err.status_code == 408:  # the rest of the body may still be on its way: do not reuse
+        headers["Connection"] = "close"
+    return JSONResponse(err.body(), status_code=err.status_code, headers=headers or None)
 
 
-def context_length_error(max_seq_len: int, num_prompt_tokens: int, param: str) -> BadRequest:
-    """The prompt alone leaves no room for a single generated token (vLLM's wording)."""
+def context_length_error(
+    max_seq_len: int, num_prompt_tokens: int, param: str, *, at_least: bool = False
+) -> BadRequest:
+    """The prompt alone leaves no room for a single generated token (vLLM's wording). With
+    `at_least`, the count is a lower bound from the text's length (the text was not tokenized)."""
+    count = f"at least {num_prompt_tokens}" if at_least else str(num_prompt_tokens)
     return BadRequest(
         f"This model's maximum context length is {max_seq_len} tokens. However, your request "
-        f"has {num_prompt_tokens} input tokens. Please reduce the length of the input messages.",
+        f"has {count} input tokens. Please reduce the length of the input messages.",
         param=param,
     )
 

@@ -69,6 +69,8 @@ class HostFingerprint:
     hostname: str
     python: str
     orbit: str | None  # None: the host's python cannot import orbit (see errors)
+    # SHA-256 of Orbit's source files as the host imports them (fingerprint_probe.code_digest)
+    orbit_code: str | None
     torch: str | None
     cuda_runtime: str | None  # torch.version.cuda; None for CPU builds
     nccl: str | None  # torch.cuda.nccl.version() when CUDA is usable
@@ -91,9 +93,18 @@ class HostFingerprint:
         return next((i for i in self.interfaces if address in i.addresses), None)
 
     @property
+    def orbit_build(self) -> str | None:
+        return orbit_build(self.orbit, self.orbit_code) if self.orbit else None
+
+    @property
     def gpu_model(self) -> str | None:
         names = sorted({g.name for g in self.gpus})
         return ", ".join(names) if names else None
+
+
+def orbit_build(version: str, code: str | None) -> str:
+    """How hosts' Orbits are compared and shown: the release and the code it runs."""
+    return f"{version} (code {code[:12]})" if code else version
 
 
 async def fingerprint_host(
@@ -153,6 +164,7 @@ def _from_json(d: dict[str, Any], received_at: float) -> HostFingerprint:
         hostname=_text(d.get("hostname")) or "?",
         python=_text(d.get("python")) or "?",
         orbit=_text(d.get("orbit")),
+        orbit_code=_text(d.get("orbit_code")),
         torch=_text(d.get("torch")),
         cuda_runtime=_text(d.get("cuda_runtime")),
         nccl=_text(d.get("nccl")),

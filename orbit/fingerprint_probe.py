@@ -49,7 +49,46 @@ def main() -> None:
 def orbit_info() -> dict:
     import orbit
 
-    return {"orbit": getattr(orbit, "__version__", "unknown")}
+    return {"orbit": getattr(orbit, "__version__", "unknown"), "orbit_code": code_digest()}
+
+
+# Orbit's code as it runs on a host: its packages' Python and protobuf sources. __version__
+# alone changes only with releases, while hosts on different commits disagree on the wire.
+CODE_PACKAGES = ("orbit", "ranks", "runtime", "prepare", "proto")
+CODE_SUFFIXES = (".py", ".proto")
+
+
+def code_digest(search_path: list | None = None) -> str:
+    """SHA-256 over the sorted relative paths, sizes and bytes of the CODE_SUFFIXES files of
+    CODE_PACKAGES where this interpreter imports them from (or under search_path), without
+    importing them. A package that cannot be found counts by its name alone."""
+    import hashlib
+    from importlib.machinery import PathFinder
+    from importlib.util import find_spec
+
+    files = []
+    for name in CODE_PACKAGES:
+        spec = PathFinder.find_spec(name, search_path) if search_path else find_spec(name)
+        for root in (spec.submodule_search_locations or []) if spec else []:
+            files += package_files(name, root)
+    digest = hashlib.sha256(" ".join(CODE_PACKAGES).encode())
+    for rel, path in sorted(files):
+        with open(path, "rb") as f:
+            data = f.read()
+        digest.update(f"\0{rel}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def package_files(name: str, root: str) -> list:
+    """(name/relative/path, absolute path) of each source file under root."""
+    found = []
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for file in names:
+            if file.endswith(CODE_SUFFIXES):
+                rel = os.path.relpath(os.path.join(folder, file), root).replace(os.sep, "/")
+                found.append((f"{name}/{rel}", os.path.join(folder, file)))
+    return found
 
 
 def torch_info() -> dict:

@@ -31,10 +31,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class LocalRanks:
     def __init__(
-        self, package: Path, tp_size: int, frontend: str, log_dir: Path, opts: LocalRankOptions
+        self,
+        package: Path,
+        tp_size: int,
+        frontend: str,
+        log_dir: Path,
+        opts: LocalRankOptions,
+        curve_dir: Path,
     ):
+        """curve_dir: the run's CURVE keys (orbit/curve.py), from which each rank takes its own."""
         self.package, self.tp_size, self.frontend = package, tp_size, frontend
-        self.log_dir, self.opts = log_dir, opts
+        self.log_dir, self.opts, self.curve_dir = log_dir, opts, curve_dir
         self.procs: list[subprocess.Popen] = []
 
     def log_path(self, rank: int) -> Path:
@@ -68,10 +75,18 @@ class LocalRanks:
                 "--threads",
                 str(threads),
                 "--exit-with-parent",
+                "--curve-dir",
+                str(self.curve_dir),
             ]
             for key in self.opts.trusted_keys:
                 cmd += ["--trusted-key", str(Path(key).resolve())]
-            env = dict(os.environ, PYTHONPATH=_pythonpath())
+            # Every listener of the ranks (gloo's pairs, NCCL's bootstrap) stays on loopback.
+            env = dict(
+                os.environ,
+                PYTHONPATH=_pythonpath(),
+                GLOO_SOCKET_IFNAME="lo",
+                NCCL_SOCKET_IFNAME="lo",
+            )
             if self.opts.device == "cuda":
                 env["CUDA_VISIBLE_DEVICES"] = str(rank)
             log = open(self.log_path(rank), "wb")
@@ -99,8 +114,15 @@ class LocalRanks:
         except OSError:
             return ""
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Wait for ranks told to shut down; TERM, then KILL, what is still running."""
+    def kill(self, ranks) -> None:
+        """KILL these ranks at once: a stopped or hung process cannot answer a shutdown."""
+        for rank in ranks:
+            if self.procs[rank].poll() is None:
+                _signal_group(self.procs[rank], signal.SIGKILL)
+
+    def stop(self, grace_s: float = 10.0, term_grace_s: float = 5.0) -> None:
+        """Wait grace_s for ranks told to shut down; TERM what is still running, and KILL what
+        is left term_grace_s later."""
         deadline = time.monotonic() + grace_s
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             for p in self.procs:
@@ -110,7 +132,7 @@ class LocalRanks:
                 time.sleep(0.05)
             if all(p.poll() is not None for p in self.procs):
                 return
-            deadline = time.monotonic() + 5.0
+            deadline = time.monotonic() + term_grace_s
         for p in self.procs:
             p.wait(timeout=5)
 

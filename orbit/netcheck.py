@@ -3,11 +3,11 @@ the real server will listen and a bounded connect from every host.
 
 Two ports matter: the frontend's (frontend.address:port, on this machine; every rank connects
 to it) and torch.distributed's (hosts[0].address:port; every rank joins the TCPStore there).
-The listeners never accept: the kernel completes each handshake into the listen backlog, so a
-connect that succeeds proves the path is open, and closing the listener resets those
-connections without leaving TIME_WAIT on the port the real server binds next. Every wait is
-bounded: connects by CONNECT_TIMEOUT_S, the remote listener by LISTEN_LIFE_S even if this side
-goes away.
+Each listener binds the target's own address, never all interfaces. The listeners never
+accept: the kernel completes each handshake into the listen backlog, so a connect that
+succeeds proves the path is open, and closing the listener resets those connections without
+leaving TIME_WAIT on the port the real server binds next. Every wait is bounded: connects by
+CONNECT_TIMEOUT_S, the remote listener by LISTEN_LIFE_S even if this side goes away.
 """
 
 from __future__ import annotations
@@ -41,19 +41,20 @@ for address, port in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
-# Listens until stdin closes (this side is done) or LISTEN_LIFE_S passes, whichever is first.
+# Listens on one address (never all interfaces) until stdin closes (this side is done) or
+# LISTEN_LIFE_S passes, whichever is first. Errors name the errno: EADDRNOTAVAIL means the
+# address is not the host's own.
 _LISTEN = """\
-import select, socket, sys
-s = socket.socket()
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+import errno, select, socket, sys
+address, port, life_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 try:
-    s.bind(("", int(sys.argv[1])))
-    s.listen(64)
+    family = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0][0]
+    s = socket.create_server((address, port), family=family, backlog=64)
 except OSError as e:
-    print("error", e, flush=True)
+    print("error", errno.errorcode.get(e.errno, "") + ":", e.strerror or e, flush=True)
     sys.exit(0)
 print("listening", flush=True)
-select.select([sys.stdin], [], [], float(sys.argv[2]))
+select.select([sys.stdin], [], [], life_s)
 """
 
 
@@ -81,17 +82,25 @@ def local_listener(address: str, port: int) -> Iterator[None]:
     """Listen on address:port here (the frontend's endpoint) for the duration."""
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ binds
-        s.bind((address, port))
-        s.listen(64)
+        try:
+            s.bind((address, port))
+            s.listen(64)
+        except OSError as e:
+            raise ClusterError(
+                f"cannot listen on {address}:{port} here for the frontend's port check "
+                f"({e.strerror}); another process took the port since it was picked: run again."
+            ) from None
         yield
 
 
 @contextlib.asynccontextmanager
 async def remote_listener(
-    conn: asyncssh.SSHClientConnection, host: HostConfig, port: int
+    conn: asyncssh.SSHClientConnection, host: HostConfig, address: str, port: int
 ) -> AsyncIterator[str | None]:
-    """Listen on the host's port for the duration; yields None, or why it could not listen."""
-    command = f"{shlex.quote(host.python)} -c {shlex.quote(_LISTEN)} {port} {LISTEN_LIFE_S:g}"
+    """Listen on address:port on the host (the address the check is about, so nothing listens
+    on the host's other interfaces) for the duration; yields None, or why it could not."""
+    args = f"{shlex.quote(address)} {port} {LISTEN_LIFE_S:g}"
+    command = f"{shlex.quote(host.python)} -c {shlex.quote(_LISTEN)} {args}"
     try:
         process = await conn.create_process(command)
     except (OSError, asyncssh.Error) as e:
@@ -137,7 +146,7 @@ async def check_ports(
     """With `frontend` listening here and `dist` on the listener host (hosts[0]), connect to
     both from every client host (by host index); return what failed."""
     with local_listener(frontend.address, frontend.port):
-        async with remote_listener(*listener, dist.port) as listen_error:
+        async with remote_listener(*listener, dist.address, dist.port) as listen_error:
             if listen_error:
                 return [Unreachable(0, dist, listen_error, listen_error=True)]
             targets = [frontend, dist]

@@ -3,7 +3,8 @@ them (orbit/checks.py), pick the network interface for collectives, and check th
 need (orbit/netcheck.py).
 
 Every problem is a Finding with the fix. HARD findings are ones that make ranks fail or hang
-(different torch/NCCL/Python/Orbit between hosts, too few GPUs, a pinned interface that does not
+(different torch/NCCL/Python between hosts, an Orbit release or code other than this machine's,
+too few GPUs, more or fewer ranks than the package has shards, a pinned interface that does not
 exist, a port that cannot be reached, an unreachable host): `orbit up` refuses to start on them
 unless --force. WARN findings are worth knowing but do not stop a bring-up (a package that is
 not there yet, low disk, a clock off by more than a second, no suitable interface to pin).
@@ -19,20 +20,22 @@ from dataclasses import dataclass
 import asyncssh
 
 import orbit
-from orbit.checks import HARD, WARN, Finding, choose_interface, compare_hosts
+from orbit.checks import HARD, WARN, Finding, check_package, choose_interface, compare_hosts
 from orbit.cluster_config import ClusterConfig, HostConfig
-from orbit.cluster_launch import FrontendBindError, pick_frontend_port
+from orbit.cluster_launch import pick_frontend_port
 from orbit.cluster_remote import free_remote_port
 from orbit.fingerprint import (
     PROBE_TIMEOUT_S,
     FingerprintError,
     HostFingerprint,
     fingerprint_host,
+    orbit_build,
 )
+from orbit.fingerprint_probe import code_digest
 from orbit.netcheck import Target, Unreachable, check_ports
 from orbit.push import RemoteLayout, files_to_push
 from orbit.ssh import ClusterError
-from runtime.package import Package
+from runtime.package import Package, PackageError
 
 
 class PreflightError(ClusterError):
@@ -56,7 +59,7 @@ class PreflightReport:
     interfaces: tuple[str | None, ...]
     ports: Ports | None  # None when the port check could not run
     findings: tuple[Finding, ...]
-    local_orbit: str
+    local_orbit: str  # this machine's orbit_build(): release and code digest
 
     @property
     def hard(self) -> list[Finding]:
@@ -69,6 +72,19 @@ class PreflightReport:
 
 def host_name(hosts: Sequence[HostConfig], index: int | None) -> str:
     return "cluster" if index is None else f"hosts[{index}] {hosts[index].label}"
+
+
+def trusted_keys(config: ClusterConfig) -> list | None:
+    """With require_signature, the public keys the package must be signed by (None: any
+    package); a key file that cannot be read is a PackageError naming it."""
+    if not config.require_signature:
+        return None
+    from runtime.signing import SignatureError, load_public_key
+
+    try:
+        return [load_public_key(k) for k in config.trusted_keys]
+    except SignatureError as e:
+        raise PackageError(str(e)) from None
 
 
 def refusal(report: PreflightReport) -> PreflightError:
@@ -94,8 +110,10 @@ async def preflight(
     probe_timeout_s: float = PROBE_TIMEOUT_S,
 ) -> PreflightReport:
     """Fingerprint every reachable host in parallel, compare, choose interfaces, check ports.
-    `conns` holds, per host, its connection or the error that kept it from connecting."""
+    `conns` holds, per host, its connection or the error that kept it from connecting. A
+    package that does not fit cluster.toml is a finding too; the rest is checked anyway."""
     files = [package_files(config, pkg, i) for i in range(len(config.hosts))]
+    local_orbit = orbit_build(orbit.__version__, code_digest())
     probes = await asyncio.gather(*(
         _fingerprint(c, h, [p for p, _ in files[i]], peers(config, i), probe_timeout_s)
         for i, (c, h) in enumerate(zip(conns, config.hosts))
@@ -106,7 +124,7 @@ async def preflight(
         for i, p in enumerate(probes)
         if isinstance(p, ClusterError)
     ]
-    findings += compare_hosts(config, fps, files)
+    findings += check_package(config, pkg.tp_size) + compare_hosts(config, fps, files, local_orbit)
     interfaces = []
     for i in range(len(config.hosts)):
         chosen, found = choose_interface(config, i, fps[i])
@@ -114,7 +132,7 @@ async def preflight(
         findings += found
     ports, found = await _check_ports(conns, config, fps)
     return PreflightReport(
-        config.hosts, fps, tuple(interfaces), ports, tuple(findings + found), orbit.__version__
+        config.hosts, fps, tuple(interfaces), ports, tuple(findings + found), local_orbit
     )
 
 
@@ -134,9 +152,11 @@ async def _fingerprint(
 
 
 def package_files(config: ClusterConfig, pkg: Package, index: int) -> list[tuple[str, int]]:
-    """(path relative to the workdir, size) of what the host's ranks need from the package."""
+    """(path relative to the workdir, size) of what the host's ranks need from the package;
+    ranks beyond the package's shards (check_package reports them) need nothing."""
     root = RemoteLayout("").package_dir(pkg.digest)  # "packages/<digest>"
-    pushed = files_to_push(pkg.root, config.ranks_on(index))
+    ranks = [r for r in config.ranks_on(index) if r < pkg.tp_size]
+    pushed = files_to_push(pkg.root, ranks)
     return [(f"{root}/{f.path}", f.size_bytes) for f in pushed]
 
 
@@ -156,25 +176,31 @@ async def _check_ports(
     clients = {i: (c, h) for i, (c, h, fp) in enumerate(zip(conns, config.hosts, fps)) if fp}
     if 0 not in clients:
         return None, []
-    try:
+    try:  # a port that cannot be had, or a host lost meanwhile, is a finding like the others
         frontend_port = pick_frontend_port(config.frontend)
-    except FrontendBindError as e:
+        dist_port = await free_remote_port(
+            clients[0][0], config.hosts[0].python, config.frontend.port_range, frontend_port
+        )
+        frontend = Target("the frontend", config.frontend.address, frontend_port)
+        dist = Target("torch.distributed (rank 0's host)", config.hosts[0].address, dist_port)
+        failures = await check_ports(clients[0], clients, frontend, dist)
+    except ClusterError as e:
         return None, [Finding(HARD, "ports", str(e), "see the message.")]
-    dist_port = await free_remote_port(
-        clients[0][0], config.hosts[0].python, config.frontend.port_range, frontend_port
-    )
-    frontend = Target("the frontend", config.frontend.address, frontend_port)
-    dist = Target("torch.distributed (rank 0's host)", config.hosts[0].address, dist_port)
-    failures = await check_ports(clients[0], clients, frontend, dist)
     return Ports(frontend_port, dist_port), [_port_finding(config, u) for u in failures]
 
 
 def _port_finding(config: ClusterConfig, u: Unreachable) -> Finding:
     lo, hi = config.frontend.port_range
     if u.listen_error:
+        fix = "another process may have taken it; run again."
+        if "EADDRNOTAVAIL" in u.reason:
+            fix = (
+                f"hosts[0].address must be that host's own address on the cluster network "
+                f"(rank 0's torch.distributed store listens on it), not {u.target.address}."
+            )
         return Finding(
-            HARD, "ports", f"cannot listen on port {u.target.port} for {u.target.what}: "
-            f"{u.reason}.", "another process may have taken it; run again.", u.host_index,
+            HARD, "ports", f"cannot listen on {u.target.address} port {u.target.port} for "
+            f"{u.target.what}: {u.reason}.", fix, u.host_index,
         )  # fmt: skip
     fix = (
         f"open frontend.port_range [{lo}, {hi}] between the hosts and this machine in the "

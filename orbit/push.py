@@ -21,6 +21,10 @@ How a push works:
    already exists (another set of ranks was pushed to this workdir before), the links it lacks
    are added, each made under a temporary name and renamed.
 Run one push per host and workdir at a time: two pushes of one blob would share its .part.
+
+Every remote step is bounded (orbit/ssh.py): commands by their timeouts, each SFTP request (an
+8 MiB write, a rename) by [ssh] stall_timeout_s, the connection by its keepalives. A push has no
+overall deadline: a large package takes as long as its bytes take.
 """
 
 from __future__ import annotations
@@ -37,16 +41,29 @@ from pathlib import Path, PurePosixPath
 
 import asyncssh
 
-from orbit.ssh import ClusterError, HostUnreachableError, host_label, run
+from orbit.cluster_config import DEFAULT_STALL_TIMEOUT_S
+from orbit.ssh import (
+    SFTP_LOST,
+    ClusterError,
+    HostLostError,
+    SftpSession,
+    host_label,
+    reason_of,
+    run,
+)
 from proto import package_pb2
 from runtime.package import MANIFEST_NAME, PackageError, read_manifest
 from runtime.signing import SIGNATURE_NAME
 
 ProgressFn = Callable[[int, int], None]  # (bytes_done, bytes_total) of this host's files
-UPLOAD_CHUNK_BYTES = 8 << 20  # asyncssh splits each chunk into parallel SFTP writes
+UPLOAD_CHUNK_BYTES = 8 << 20  # one request under the stall limit, sent as parallel writes
 HASH_TIMEOUT_S = 60.0
 HASH_TIMEOUT_S_PER_GB = 30.0  # generous: sha256sum reads at several hundred MB/s
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+PUSH_LOST_FIX = (
+    "check that the host is up and reachable, then run `orbit up` again: the push resumes where "
+    "it stopped"
+)
 
 
 class PushError(ClusterError):
@@ -99,32 +116,50 @@ async def push_package(
     workdir: str,
     ranks: Sequence[int],
     progress: ProgressFn | None = None,
+    stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S,
 ) -> PushResult:
     """Place the manifest, tokenizer files and the shards of `ranks` on the host.
 
     The caller checks the local package first (runtime.package.open_package); this checks
     each file's size locally and its SHA-256 on the host. Returns where the package is visible.
+    A host lost during the push (silent past the keepalives, an SFTP request unanswered for
+    stall_timeout_s, a dead session) raises HostLostError naming it, whatever step it was in;
+    what was uploaded stays in the store for the next push.
     """
     files = files_to_push(Path(package_dir), ranks)
+    try:
+        return await _push(conn, files, workdir, progress, stall_timeout_s)
+    except HostLostError as e:
+        raise HostLostError(e.host, "during the push", e.reason, PUSH_LOST_FIX) from None
+    except SFTP_LOST as e:
+        raise _push_lost(conn, e) from None
+    except asyncssh.SFTPError as e:
+        raise PushError(
+            f"writing under {workdir} on {host_label(conn)} failed ({e.reason}); check the free "
+            "space and permissions there."
+        ) from None
+    except (OSError, asyncssh.Error) as e:  # the connection or the SFTP channel went away
+        raise _push_lost(conn, e) from None
+
+
+def _push_lost(conn: asyncssh.SSHClientConnection, e: BaseException) -> HostLostError:
+    return HostLostError(host_label(conn), "during the push", reason_of(e), PUSH_LOST_FIX)
+
+
+async def _push(
+    conn: asyncssh.SSHClientConnection,
+    files: list[PushFile],
+    workdir: str,
+    progress: ProgressFn | None,
+    stall_timeout_s: float,
+) -> PushResult:
     digest = files[0].sha256  # the manifest's own hash names the package
     layout = RemoteLayout(await prepare_workdir(conn, workdir))
     tracker = _Progress(sum(f.size_bytes for f in files), progress)
     stored = await _hash_blobs(conn, layout, files)
-    try:
-        async with conn.start_sftp_client() as sftp:
-            bytes_uploaded, files_uploaded = await _place_blobs(
-                conn, sftp, layout, files, stored, tracker
-            )
-            remote_dir = await _publish(sftp, layout, digest, files)
-    except asyncssh.SFTPError as e:
-        raise PushError(
-            f"writing under {layout.workdir} on {host_label(conn)} failed ({e.reason}); check "
-            "the free space and permissions there."
-        ) from e
-    except asyncssh.Error as e:  # the connection or the SFTP channel went away
-        raise HostUnreachableError(
-            f"SSH to {host_label(conn)} was lost during the push ({e}); run it again to resume."
-        ) from e
+    async with SftpSession(conn, stall_timeout_s) as sftp:
+        bytes_uploaded, files_uploaded = await _place_blobs(sftp, layout, files, stored, tracker)
+        remote_dir = await _publish(sftp, layout, digest, files)
     return PushResult(remote_dir, bytes_uploaded, files_uploaded, len(files) - files_uploaded)
 
 
@@ -138,8 +173,9 @@ def files_to_push(package_dir: Path, ranks: Sequence[int]) -> list[PushFile]:
     signature = package_dir / SIGNATURE_NAME  # not listed in the manifest: it signs it
     if signature.is_file():
         data = signature.read_bytes()
-        files.append(PushFile(SIGNATURE_NAME, len(data), hashlib.sha256(data).hexdigest(),
-                              signature))
+        files.append(
+            PushFile(SIGNATURE_NAME, len(data), hashlib.sha256(data).hexdigest(), signature)
+        )
     files += [_push_file(package_dir, e) for e in manifest.tokenizer.files]
     for rank in sorted(set(ranks)):
         if not 0 <= rank < len(manifest.shards):
@@ -239,8 +275,7 @@ def _hash_timeout_s(size_bytes: int) -> float:
 
 
 async def _place_blobs(
-    conn: asyncssh.SSHClientConnection,
-    sftp: asyncssh.SFTPClient,
+    sftp: SftpSession,
     layout: RemoteLayout,
     files: list[PushFile],
     stored: dict[str, str | None],
@@ -254,52 +289,47 @@ async def _place_blobs(
             tracker.advance(f.size_bytes)
             continue
         if stored[f.sha256] is not None:  # damaged in place: replace it
-            await sftp.remove(layout.blob(f.sha256))
-        bytes_uploaded += await _upload_blob(conn, sftp, layout, f, tracker)
+            await sftp(sftp.client.remove(layout.blob(f.sha256)))
+        bytes_uploaded += await _upload_blob(sftp, layout, f, tracker)
         files_uploaded += 1
         placed.add(f.sha256)
     return bytes_uploaded, files_uploaded
 
 
 async def _upload_blob(
-    conn: asyncssh.SSHClientConnection,
-    sftp: asyncssh.SFTPClient,
-    layout: RemoteLayout,
-    f: PushFile,
-    tracker: _Progress,
+    sftp: SftpSession, layout: RemoteLayout, f: PushFile, tracker: _Progress
 ) -> int:
     """Upload f via its .part, verify it on the host, rename it in; return the bytes sent."""
     part = layout.part(f.sha256)
     uploaded = 0
     for _attempt in range(2):
         uploaded += await _upload_part(sftp, part, f, tracker)
-        if await remote_sha256(conn, part, f.size_bytes) == f.sha256:
-            await sftp.posix_rename(part, layout.blob(f.sha256))
+        if await remote_sha256(sftp.conn, part, f.size_bytes) == f.sha256:
+            await sftp(sftp.client.posix_rename(part, layout.blob(f.sha256)))
             return uploaded
-        await sftp.remove(part)
+        await sftp(sftp.client.remove(part))
         tracker.advance(-f.size_bytes)
     raise PushError(
-        f"{f.path} arrived on {host_label(conn)} with a different sha256 twice; the local file "
-        f"{f.local} may no longer match its manifest (check it with runtime.package's "
+        f"{f.path} arrived on {host_label(sftp.conn)} with a different sha256 twice; the local "
+        f"file {f.local} may no longer match its manifest (check it with runtime.package's "
         "verify_file) or the host's disk is failing."
     )
 
 
-async def _upload_part(
-    sftp: asyncssh.SFTPClient, part: str, f: PushFile, tracker: _Progress
-) -> int:
-    """Write f to `part` from the part's current size on; return the bytes sent."""
+async def _upload_part(sftp: SftpSession, part: str, f: PushFile, tracker: _Progress) -> int:
+    """Write f to `part` from the part's current size on; return the bytes sent. Each chunk's
+    write is one request under the stall limit."""
     offset = await _part_size(sftp, part, f.size_bytes)
     tracker.advance(offset)
     start = offset
     flags = asyncssh.FXF_WRITE | asyncssh.FXF_CREAT  # no truncation: the bytes there are kept
-    async with sftp.open(part, flags, encoding=None) as remote:
+    async with sftp.open(part, flags) as remote:
         while offset < f.size_bytes:
             num_bytes = min(UPLOAD_CHUNK_BYTES, f.size_bytes - offset)
             chunk = await asyncio.to_thread(_read_chunk, f.local, offset, num_bytes)
             if not chunk:
                 raise PackageError(f"{f.local}: shrank while being pushed; copy the package again.")
-            await remote.write(chunk, offset)
+            await sftp.write(remote, chunk, offset)
             offset += len(chunk)
             tracker.advance(len(chunk))
     return offset - start
@@ -307,44 +337,47 @@ async def _upload_part(
 
 def _read_chunk(path: Path, offset: int, num_bytes: int) -> bytes:
     # Opened per chunk so the read runs in a worker thread, off the event loop.
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read(num_bytes)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(num_bytes)
+    except OSError as e:  # a local error: not to be taken for a lost connection
+        raise PackageError(f"{path}: cannot be read ({e.strerror}).") from None
 
 
-async def _part_size(sftp: asyncssh.SFTPClient, part: str, size_bytes: int) -> int:
+async def _part_size(sftp: SftpSession, part: str, size_bytes: int) -> int:
     """Bytes already uploaded; a .part longer than the file cannot be a prefix of it."""
     try:
-        size = (await sftp.stat(part)).size or 0
+        size = (await sftp(sftp.client.stat(part))).size or 0
     except asyncssh.SFTPNoSuchFile:
         return 0
     if size > size_bytes:
-        await sftp.remove(part)
+        await sftp(sftp.client.remove(part))
         return 0
     return size
 
 
 async def _publish(
-    sftp: asyncssh.SFTPClient, layout: RemoteLayout, digest: str, files: list[PushFile]
+    sftp: SftpSession, layout: RemoteLayout, digest: str, files: list[PushFile]
 ) -> str:
     """Make packages/<digest> list `files`; every blob is verified before this runs."""
     final = layout.package_dir(digest)
-    if not await sftp.exists(final):
+    if not await sftp(sftp.client.exists(final)):
         tmp = posixpath.join(layout.packages, f".tmp-{digest}-{secrets.token_hex(4)}")
         try:
             await _add_links(sftp, layout, tmp, files)
-            await sftp.posix_rename(tmp, final)
+            await sftp(sftp.client.posix_rename(tmp, final))
             return final
         except asyncssh.SFTPError:
-            await sftp.rmtree(tmp, ignore_errors=True)
-            if not await sftp.exists(final):  # not lost to a concurrent push: a real failure
+            await sftp(sftp.client.rmtree(tmp, ignore_errors=True))
+            if not await sftp(sftp.client.exists(final)):  # not lost to a concurrent push
                 raise
     await _add_links(sftp, layout, final, files, atomic=True)
     return final
 
 
 async def _add_links(
-    sftp: asyncssh.SFTPClient,
+    sftp: SftpSession,
     layout: RemoteLayout,
     root: str,
     files: list[PushFile],
@@ -357,12 +390,12 @@ async def _add_links(
     """
     for f in files:
         link = posixpath.join(root, f.path)
-        if await sftp.lexists(link):
+        if await sftp(sftp.client.lexists(link)):
             continue
-        await sftp.makedirs(posixpath.dirname(link), exist_ok=True)
+        await sftp(sftp.client.makedirs(posixpath.dirname(link), exist_ok=True))
         # Relative, so a link stays right when the tmp folder is renamed or the workdir moves.
         target = posixpath.relpath(layout.blob(f.sha256), posixpath.dirname(link))
         made = f"{link}.tmp-{secrets.token_hex(4)}" if atomic else link
-        await sftp.symlink(target, made)
+        await sftp(sftp.client.symlink(target, made))
         if atomic:
-            await sftp.posix_rename(made, link)
+            await sftp(sftp.client.posix_rename(made, link))

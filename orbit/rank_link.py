@@ -1,5 +1,10 @@
 """The frontend's side of the ZeroMQ link to its ranks: one ROUTER socket, one DEALER per rank.
 
+The link is always CURVE-secured (orbit/curve.py): in local mode too, any process on the
+machine could otherwise connect and speak for a rank. A message's rank is the one whose key
+authenticated the connection (ZeroMQ's User-Id), never a field of the message body; a message
+that is malformed, unauthenticated or claims another rank is dropped and counted.
+
 A background reader takes every message from the ranks: step results resolve the step's
 future, heartbeats refresh each rank's last-seen time, and a Failure fails everything waiting.
 """
@@ -7,6 +12,7 @@ future, heartbeats refresh each rank's last-seen time, and a Failure fails every
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from dataclasses import dataclass
@@ -20,9 +26,19 @@ from proto import wire_pb2
 
 MAX_MESSAGE_BYTES = 64 << 20
 
+log = logging.getLogger("orbit.rank_link")
+
 
 class RankFailure(Exception):
     """A rank failed, exited or stopped answering; the TP group cannot continue."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank  # the rank that reported or caused the failure, when known
+
+
+class PackageMismatch(RankFailure):
+    """The ranks run a different package from the one this frontend opened."""
 
 
 @dataclass
@@ -37,24 +53,24 @@ class RankLink:
     def __init__(
         self,
         tp_size: int,
+        curve: ServerKeys,
         bind_host: str = "127.0.0.1",
         port: int = 0,
-        curve: ServerKeys | None = None,
+        package_digest: str = "",
     ):
-        """With curve keys, only ranks holding an allowed client key can connect, and the
-        traffic is encrypted. Construct inside a running event loop (the authenticator is an
-        asyncio task)."""
+        """Only ranks holding an allowed client key can connect, and the traffic is encrypted.
+        With package_digest, a rank whose Hello names another package fails the link. Construct
+        inside a running event loop (the authenticator is an asyncio task)."""
         self.tp_size = tp_size
+        self.package_digest = package_digest
+        self._rank_of_user = curve.rank_of_user
+        require_curve()
         self.ctx = zmq.asyncio.Context()
-        self.auth: AsyncioAuthenticator | None = None
-        if curve is not None:
-            require_curve()
-            self.auth = AsyncioAuthenticator(self.ctx)
-            self.auth.start()
-            self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
+        self.auth = AsyncioAuthenticator(self.ctx)
+        self.auth.start()
+        self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
         self.sock = self.ctx.socket(zmq.ROUTER)
-        if curve is not None:
-            secure_server(self.sock, curve)
+        secure_server(self.sock, curve)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -68,6 +84,8 @@ class RankLink:
         self._pending: dict[int, tuple[asyncio.Future, list[wire_pb2.StepResult | None]]] = {}
         self.failure: RankFailure | None = None
         self._reader: asyncio.Task | None = None
+        self.dropped_messages = 0  # malformed, unauthenticated or misattributed
+        self.reported_failures: set[int] = set()  # ranks that sent a Failure
 
     def start(self) -> None:
         self._reader = asyncio.get_running_loop().create_task(self._read_forever())
@@ -169,35 +187,67 @@ class RankLink:
 
     async def _read_forever(self) -> None:
         while True:
-            identity, data = await self.sock.recv_multipart()
-            msg = wire_pb2.FromRank()
-            try:
-                msg.ParseFromString(data)
-            except Exception:  # a malformed message is dropped, never interpreted
+            frames = await self.sock.recv_multipart(copy=False)
+            parsed = self._parse(frames)
+            if parsed is None:
+                self.dropped_messages += 1
                 continue
-            self._handle(msg)
+            try:
+                self._handle(*parsed)
+            except Exception:  # the reader must outlive any one message
+                log.exception("a message from rank %d could not be handled", parsed[0])
+                self.dropped_messages += 1
 
-    def _handle(self, msg: wire_pb2.FromRank) -> None:
+    def _parse(self, frames: list[zmq.Frame]) -> tuple[int, str, object] | None:
+        """(authenticated rank, kind, body) of a well-formed message, or None to drop it."""
+        if len(frames) != 2:
+            return None
+        try:
+            rank = self._rank_of_user.get(frames[1].get("User-Id"))
+        except zmq.ZMQError:
+            return None
+        if rank is None or rank >= self.tp_size:
+            return None
+        msg = wire_pb2.FromRank()
+        try:
+            msg.ParseFromString(frames[1].bytes)
+        except Exception:  # noqa: BLE001 - a malformed message is dropped, never interpreted
+            return None
         kind = msg.WhichOneof("kind")
+        if kind is None:
+            return None
         body = getattr(msg, kind)
-        if not 0 <= body.rank < self.tp_size:
-            return
-        info = self.ranks[body.rank]
+        if body.rank != rank:
+            return None  # a rank speaking for another: a bug or a forgery, either way not trusted
+        return rank, kind, body
+
+    def _handle(self, rank: int, kind: str, body) -> None:
+        info = self.ranks[rank]
         info.last_seen = time.monotonic()
         if kind == "hello":
             info.hello = body
+            if self.package_digest and body.package_digest != self.package_digest:
+                self.fail(
+                    PackageMismatch(
+                        f"rank {rank} runs package {body.package_digest[:12]}, but this frontend "
+                        f"serves package {self.package_digest[:12]}; restart the frontend for "
+                        "the new package, or bring the ranks up with its package",
+                        rank,
+                    )
+                )
         elif kind == "ready":
             info.ready = body
             if all(r.ready is not None for r in self.ranks):
                 self._all_ready.set()
         elif kind == "failure":
-            self.fail(RankFailure(f"rank {body.rank} failed: {body.message}"))
+            self.reported_failures.add(rank)
+            self.fail(RankFailure(f"rank {rank} failed: {body.message}", rank))
         elif kind == "result":
             entry = self._pending.get(body.step_id)
             if entry is None:
                 return
             fut, results = entry
-            results[body.rank] = body
+            results[rank] = body
             if all(r is not None for r in results) and not fut.done():
                 fut.set_result(results[0])
 
@@ -213,8 +263,7 @@ class RankLink:
         if self._reader:
             self._reader.cancel()
         self.sock.close(linger=0)
-        if self.auth is not None:
-            self.auth.stop()
+        self.auth.stop()
         self.ctx.term()
 
 

@@ -44,18 +44,14 @@ class BringUpLink(RankLink):
         self.failed_in: dict[int, int] = {}  # rank -> the phase its Failure named
         self.failure_messages: dict[int, str] = {}
 
-    def _handle(self, msg: wire_pb2.FromRank) -> None:
-        kind = msg.WhichOneof("kind")
-        body = getattr(msg, kind) if kind else None
-        if body is not None and 0 <= body.rank < self.tp_size:
-            if kind == "phase":
-                entry = PhaseEntry(body.name, body.elapsed_s, time.monotonic())
-                self.phases[body.rank].append(entry)
-            elif kind == "failure":
-                self.failure_messages[body.rank] = body.message
-                if body.phase:
-                    self.failed_in[body.rank] = body.phase
-        super()._handle(msg)
+    def _handle(self, rank: int, kind: str, body) -> None:
+        if kind == "phase":
+            self.phases[rank].append(PhaseEntry(body.name, body.elapsed_s, time.monotonic()))
+        elif kind == "failure":
+            self.failure_messages[rank] = body.message
+            if body.phase:
+                self.failed_in[rank] = body.phase
+        super()._handle(rank, kind, body)
 
     def last_phase(self, rank: int) -> PhaseEntry | None:
         entries = self.phases.get(rank)

@@ -5,21 +5,35 @@ known_hosts=None). A key the file does not know is refused unless the caller acc
 which then trusts it and appends it to that file, like OpenSSH's StrictHostKeyChecking=accept-new.
 A key that differs from the one on file is always refused. Agent forwarding is off, and
 ~/.ssh/config is not read: cluster.toml alone says how each host is reached.
+
+Nothing waits on a host without limit: connecting has a timeout, every command has one, every
+connection sends keepalives (cluster.toml's [ssh]) so a host that falls silent is given up after
+interval x (count + 1) seconds, and each SFTP request of an SftpSession has a stall limit. A
+connection that dies under a command or a transfer, however it dies (silence, reset, killed
+session), is reported the same way: HostLostError, naming the host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shlex
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
+from typing import Self, TypeVar
 
 import asyncssh
 
-from orbit.cluster_config import DEFAULT_SSH_PORT, HostConfig
+from orbit.cluster_config import DEFAULT_SSH_PORT, HostConfig, SshConfig
 
+T = TypeVar("T")
+# SFTP errors that mean the connection or the session is gone, not that a request failed.
+SFTP_LOST = (asyncssh.SFTPConnectionLost, asyncssh.SFTPNoConnection)
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_COMMAND_TIMEOUT_S = 60.0
 STDERR_TAIL_CHARS = 2000
+SAFE_WRITE_BYTES = 16 << 10  # what every SFTP server accepts in one write
+ABORT_WAIT_S = 2.0  # an aborted connection fails what waits on it within a few loop turns
 # Stored on each connection so errors name the host as cluster.toml does.
 _HOST_LABEL = "orbit_host_label"
 
@@ -30,6 +44,27 @@ class ClusterError(Exception):
 
 class HostUnreachableError(ClusterError):
     """No SSH session could be opened (refused, no route, timed out, lost)."""
+
+
+class HostLostError(HostUnreachableError):
+    """An open SSH connection died under a command or a transfer, or stopped answering."""
+
+    def __init__(self, host: str, during: str, reason: str, fix: str = "") -> None:
+        fix = fix or "check that the host is up and reachable, then run the command again"
+        super().__init__(f"lost SSH to {host} {during} ({reason}); {fix}.")
+        self.host = host
+        self.reason = reason
+
+
+def lost(conn: asyncssh.SSHClientConnection, during: str, e: BaseException) -> HostLostError:
+    """The HostLostError for an exception that ended a command or transfer on `conn`."""
+    return HostLostError(host_label(conn), during, reason_of(e))
+
+
+def reason_of(e: BaseException) -> str:
+    """asyncssh's reason, the OS error's text, or the exception's message or name."""
+    reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or str(e)
+    return reason or type(e).__name__
 
 
 class HostKeyUnknownError(ClusterError):
@@ -123,8 +158,10 @@ async def connect(
     host: HostConfig,
     accept_new_host_keys: bool = False,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    ssh: SshConfig | None = None,
 ) -> asyncssh.SSHClientConnection:
-    """Open an SSH connection to `host`, checking its key; raises a ClusterError subclass."""
+    """Open an SSH connection to `host`, checking its key, with keepalives as `ssh` says
+    (default: [ssh]'s defaults); raises a ClusterError subclass."""
     if host.identity_file and not host.identity_file.is_file():
         raise AuthenticationError(
             f"identity_file {host.identity_file} for {host.label} does not exist; fix the path "
@@ -134,7 +171,8 @@ async def connect(
     policy = _HostKeyPolicy(host, known, accept_new_host_keys)
     try:
         conn = await asyncio.wait_for(
-            _open(host, known, policy, connect_timeout_s), timeout=connect_timeout_s + 1.0
+            _open(host, known, policy, connect_timeout_s, ssh or SshConfig()),
+            timeout=connect_timeout_s + 1.0,
         )
     except asyncssh.HostKeyNotVerifiable as e:
         raise policy.refusal or HostKeyChangedError(
@@ -168,6 +206,7 @@ async def _open(
     known: asyncssh.SSHKnownHosts,
     policy: _HostKeyPolicy,
     connect_timeout_s: float,
+    ssh: SshConfig,
 ) -> asyncssh.SSHClientConnection:
     keys = [str(host.identity_file)] if host.identity_file else ()
     conn, _ = await asyncssh.create_connection(
@@ -182,6 +221,8 @@ async def _open(
         agent_forwarding=False,
         config=[],
         connect_timeout=connect_timeout_s,
+        keepalive_interval=ssh.keepalive_interval_s,
+        keepalive_count_max=ssh.keepalive_count_max,
     )
     return conn
 
@@ -222,17 +263,18 @@ async def run(
     """Run a shell command on the host and return its stdout.
 
     With check, a non-zero exit raises RemoteCommandError with the status and stderr's tail;
-    a command running past timeout_s always raises it.
+    a command running past timeout_s always raises it. A connection or session that dies under
+    the command raises HostLostError.
     """
+    during = f"while running {_short(command, 60)}"
     try:
         result = await conn.run(command, check=False, timeout=timeout_s)
     except asyncssh.TimeoutError as e:
         raise _command_error(conn, command, f"ran past {timeout_s:g} s", None, e.stderr) from None
     except (OSError, asyncssh.Error) as e:
-        raise HostUnreachableError(
-            f"SSH to {host_label(conn)} failed while running {_short(command)} ({e}); "
-            "check that the host is still up."
-        ) from None
+        raise lost(conn, during, e) from None
+    if result.exit_status is None and result.exit_signal is None:  # the channel just closed
+        raise HostLostError(host_label(conn), during, "the session ended without an exit status")
     if check and result.exit_status != 0:
         status = result.exit_status
         how = f"exited {status}" if status not in (None, -1) else f"killed by {result.exit_signal}"
@@ -261,3 +303,104 @@ def _text(data: str | bytes | None) -> str:
     if isinstance(data, bytes):
         return data.decode("utf-8", errors="replace")
     return data or ""
+
+
+class SftpSession:
+    """An SFTP session on `conn` whose every request is bounded: `await sftp(sftp.client.stat(p))`.
+
+    A request left unanswered for stall_timeout_s (a hung disk or sftp-server on a host that
+    still answers keepalives) raises HostLostError; that, or a cancellation (Ctrl-C) with
+    abort_on_cancel, aborts the whole SSH connection first. Closing a file or the channel
+    politely would wait on a host that may no longer answer, and after a stall nothing more
+    would come through that connection anyway. Without abort_on_cancel (the connection is still
+    needed afterwards, to stop ranks) a cancelled request is cancelled alone.
+    """
+
+    def __init__(
+        self,
+        conn: asyncssh.SSHClientConnection,
+        stall_timeout_s: float,
+        abort_on_cancel: bool = True,
+    ) -> None:
+        self.conn = conn
+        self.stall_timeout_s = stall_timeout_s
+        self.abort_on_cancel = abort_on_cancel
+        self.aborted = False
+        self._client: asyncssh.SFTPClient | None = None
+
+    @property
+    def client(self) -> asyncssh.SFTPClient:
+        assert self._client is not None, "used outside `async with`"
+        return self._client
+
+    async def __aenter__(self) -> Self:
+        self._client = await self(self.conn.start_sftp_client())
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        if not self.aborted:
+            with contextlib.suppress(OSError, asyncssh.Error):  # a channel already gone
+                self.client.exit()  # EOF ends the server's side; nothing here waits for it
+
+    async def __call__(self, request: Awaitable[T]) -> T:
+        task = asyncio.ensure_future(request)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), self.stall_timeout_s)
+        except TimeoutError:
+            await self._abort(task)
+            reason = f"no answer to an SFTP request for {self.stall_timeout_s:g} s"
+            raise HostLostError(host_label(self.conn), "during a transfer", reason) from None
+        except asyncio.CancelledError:
+            if not self.abort_on_cancel:
+                task.cancel()
+                raise
+            await self._abort(task)
+            raise
+
+    @contextlib.asynccontextmanager
+    async def open(
+        self, path: str, flags: int, attrs: asyncssh.SFTPAttrs | None = None
+    ) -> AsyncIterator[asyncssh.SFTPClientFile]:
+        """A remote file in binary mode, closed on exit unless the connection was aborted."""
+        f = await self(self.client.open(path, flags, attrs or asyncssh.SFTPAttrs(), encoding=None))
+        try:
+            yield f
+        except asyncio.CancelledError:
+            if self.abort_on_cancel:
+                await self._abort()
+            raise
+        except BaseException:
+            if not self.aborted:  # the error that got here is the one to report
+                with contextlib.suppress(Exception):
+                    await self(f.close())
+            raise
+        await self(f.close())
+
+    async def write(self, f: asyncssh.SFTPClientFile, data: bytes, offset: int) -> None:
+        """Write data at offset, as one request under the stall limit made of parallel writes
+        no larger than the server accepts. Split here, not by asyncssh: its own split abandons
+        the other writes when one fails on a lost connection, and they then fail unobserved."""
+        block = self.client.limits.max_write_len or SAFE_WRITE_BYTES
+        await self(_write_blocks(f, data, offset, block))
+
+    async def _abort(self, task: asyncio.Future | None = None) -> None:
+        """Abort the connection, then let the request in flight end by itself, which it does at
+        once. Cancelled instead, a large write would leave behind the parallel requests it is
+        made of, and they would fail later with nobody to observe it."""
+        self.aborted = True
+        self.conn.abort()
+        if task is None:
+            return
+        await asyncio.wait([task], timeout=ABORT_WAIT_S)
+        if not task.done():
+            task.cancel()
+        elif not task.cancelled():
+            task.exception()  # the lost connection, which the caller reports
+
+
+async def _write_blocks(f: asyncssh.SFTPClientFile, data: bytes, offset: int, block: int) -> None:
+    writes = [f.write(data[i : i + block], offset + i) for i in range(0, len(data), block)]
+    results = await asyncio.gather(*writes, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise errors[0]

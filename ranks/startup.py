@@ -102,7 +102,7 @@ class Watchdog:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, f"rank-{self.rank}-watchdog".encode())
         if self.curve_dir:
-            secure_client(sock, ClientKeys.load(Path(self.curve_dir)))
+            secure_client(sock, ClientKeys.load(Path(self.curve_dir), self.rank))
         sock.connect(self.frontend)
         return sock
 

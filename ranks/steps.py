@@ -15,11 +15,16 @@ path every step completes in launch, and the same two calls run in the same orde
 Every rank draws every sampling row (all ranks hold the same logits; draws are seeded per
 (seed, position)), so each can feed its own samples; only rank 0 reports them, and only rank 0
 computes logprobs. A step in which a row asks for logprobs is sampled synchronously.
+
+A draw that raises fails only its own sequence: the batch is drawn again row by row, a row
+that still fails gets token 0 and an error in its Sample, and the frontend ends that sequence.
+Every rank runs the same code on the same logits, so all agree on which rows failed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +34,8 @@ import torch
 from proto import wire_pb2
 from runtime.runner import SeqInput
 from runtime.sampling import Sampled, SamplingParams
+
+log = logging.getLogger("orbit.rank")
 
 
 @dataclass
@@ -47,6 +54,7 @@ class Launched:
     rows: list[tuple[int, SeqState, int]]  # sampling rows: (seq_id, state, predicted position)
     tokens: torch.Tensor | None  # the rows' tokens on the runner's device (None: no rows)
     drawn: list[Sampled] | None  # set when sampled synchronously
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why its draw failed
     host: torch.Tensor | None = None  # pinned copy of tokens, filled in stream order
     copied: torch.cuda.Event | None = None
     gpu_start: torch.cuda.Event | None = None
@@ -134,6 +142,25 @@ class StepExecutor:
         if self.rank != 0:
             params = [dataclasses.replace(p, num_logprobs=-1) for p in params]
         positions = [pos for _, _, pos in launched.rows]
+        try:
+            self._draw_batch(launched, logits, params, positions)
+        except Exception:  # one bad row must not end the step for the others
+            log.exception("step %d: drawing the batch failed; drawing row by row", launched.step_id)
+            self._draw_rows(launched, logits, params, positions)
+
+    def _draw_rows(self, launched: Launched, logits, params, positions) -> None:
+        drawn = []
+        for i, (p, pos) in enumerate(zip(params, positions)):
+            try:
+                drawn += self.sample(logits[i : i + 1], [p], [pos])
+            except Exception as e:  # noqa: BLE001 - reported for this row; the others go on
+                launched.errors[i] = f"{type(e).__name__}: {e}"
+                drawn.append(Sampled(0, float("nan"), ()))
+        launched.drawn, launched.copied, launched.host = drawn, None, None
+        ids = [d.token_id for d in drawn]
+        launched.tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
+
+    def _draw_batch(self, launched: Launched, logits, params, positions) -> None:
         n = len(params)
         if self.sample_tokens is not None and all(p.num_logprobs < 0 for p in params):
             launched.tokens = self.sample_tokens(logits, params, positions)
@@ -157,7 +184,7 @@ class StepExecutor:
         if drawn is None and launched.rows:
             launched.copied.synchronize()
             drawn = [Sampled(t, float("nan"), ()) for t in launched.host.tolist()]
-        for (seq_id, state, _), d in zip(launched.rows, drawn or []):
+        for i, ((seq_id, state, _), d) in enumerate(zip(launched.rows, drawn or [])):
             state.last_token = d.token_id
             if self.rank == 0:
                 result.samples.append(
@@ -167,6 +194,7 @@ class StepExecutor:
                         logprob=d.logprob,
                         top_token_ids=[t for t, _ in d.top],
                         top_logprobs=[lp for _, lp in d.top],
+                        error=launched.errors.get(i, ""),
                     )
                 )
         if launched.gpu_start is not None and launched.copied is not None:

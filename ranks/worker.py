@@ -13,6 +13,7 @@ import threading
 import time
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -44,7 +45,7 @@ class Rank:
         self.sock.setsockopt(zmq.LINGER, 1000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
         if cfg.curve_dir:
-            secure_client(self.sock, ClientKeys.load(Path(cfg.curve_dir)))
+            secure_client(self.sock, ClientKeys.load(Path(cfg.curve_dir), cfg.rank))
         self.sock.connect(cfg.frontend)
         self.steps: StepExecutor | None = None
         self.last_step = 0
@@ -101,12 +102,13 @@ class Rank:
     def _join_group(self) -> TPGroup:
         cfg = self.cfg
         if cfg.tp_size > 1:
+            timeout = timedelta(seconds=120)
             dist.init_process_group(
                 "nccl" if cfg.device == "cuda" else "gloo",
-                init_method=cfg.dist_init,
+                store=rendezvous_store(cfg.dist_init, cfg.rank, cfg.tp_size, timeout),
                 rank=cfg.rank,
                 world_size=cfg.tp_size,
-                timeout=timedelta(seconds=120),
+                timeout=timeout,
             )
             join_check(self.device)
         return TPGroup(cfg.rank, cfg.tp_size)
@@ -171,7 +173,7 @@ class Rank:
         sock.setsockopt(zmq.IDENTITY, f"rank-{self.cfg.rank}-heartbeat".encode())
         sock.setsockopt(zmq.LINGER, 0)
         if self.cfg.curve_dir:
-            secure_client(sock, ClientKeys.load(Path(self.cfg.curve_dir)))
+            secure_client(sock, ClientKeys.load(Path(self.cfg.curve_dir), self.cfg.rank))
         sock.connect(self.cfg.frontend)
         while not self.closing.wait(self.cfg.heartbeat_s):
             beat = wire_pb2.Heartbeat(rank=self.cfg.rank, last_step_id=self.last_step)
@@ -244,6 +246,27 @@ class Rank:
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def rendezvous_store(dist_init: str, rank: int, tp_size: int, timeout: timedelta) -> dist.Store:
+    """torch.distributed's TCPStore at dist_init (tcp://HOST:PORT). Rank 0 serves it from a
+    socket bound to HOST alone: torch's own server would listen on every interface, and the
+    store cannot be authenticated, so it must be reachable only on the cluster network."""
+    parsed = urlsplit(dist_init)
+    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+        raise ValueError(f"--dist-init must be tcp://HOST:PORT, got {dist_init!r}")
+    host, port = parsed.hostname, parsed.port
+    if rank != 0:
+        return dist.TCPStore(host, port, tp_size, False, timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    # detach: the store's server owns the descriptor from here on (a collected socket object
+    # would close it under the server).
+    fd = listener.detach()
+    return dist.TCPStore(host, port, tp_size, True, timeout, False, master_listen_fd=fd)
 
 
 def main(cfg: RankConfig) -> int:

@@ -1,6 +1,8 @@
 """Next-token sampling on the GPU, one batch at a time, with the CPU path's semantics
-(runtime/sampling.py): greedy is the exact argmax of the float32 logits; temperature, top-k
-and top-p filter as there; a seeded draw depends only on (request seed, position).
+(runtime/sampling.py): greedy (a temperature below GREEDY_BELOW_TEMPERATURE) is the exact argmax
+of the float32 logits; temperature, top-k (off at 0 or >= the vocabulary) and top-p (the most
+likely token always stays) filter as there; a seeded draw depends only on (request seed,
+position), through the same token_seed.
 
 The draw: the filtered distribution's token j wins the race argmax_j p_j / E_j, E_j ~ Exp(1)
 (one Triton kernel, runtime/triton_kernels.py), with the uniforms from Philox keyed by
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.sampling import Sampled, SamplingParams, token_seed
+from runtime.sampling import Sampled, SamplingParams, is_greedy, token_seed, top_p_drop
 
 
 @torch.inference_mode()
@@ -37,7 +39,7 @@ def sample_tokens(
     (the host-side parameters go up in small copies), so the caller can queue the next step
     before the tokens are read."""
     tokens = logits.argmax(dim=-1)  # [n]; rows that sample overwrite theirs below
-    drawn_rows = [i for i, p in enumerate(params) if p.temperature != 0]
+    drawn_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if drawn_rows:
         rows = torch.tensor(drawn_rows, device=logits.device)
         sub = [params[i] for i in drawn_rows]
@@ -74,8 +76,7 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     if any(p.top_p < 1.0 for p in params):
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= top_p[:, None]
+        drop = top_p_drop(sorted_probs, top_p[:, None])
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
     return probs
 
@@ -90,7 +91,7 @@ def _logprobs(
     rows = torch.tensor(wanted, device=logits.device)
     logprobs = torch.log_softmax(logits.index_select(0, rows), dim=-1)
     chosen = logprobs.gather(1, torch.tensor([[token_ids[i]] for i in wanted], device=rows.device))
-    k = max(params[i].num_logprobs for i in wanted)
+    k = min(max(params[i].num_logprobs for i in wanted), logprobs.shape[-1])
     vals, ids = torch.topk(logprobs, k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0])
     chosen, vals, ids = chosen[:, 0].tolist(), vals.tolist(), ids.long().tolist()
     out = {}

@@ -8,7 +8,9 @@ and host n holds 10.211.X.(n+2), with sshd on port 22 there. X is a /24 no inter
 uses yet, picked under a lock so parallel test runs do not collide; the bridge, veths and
 namespaces are deleted at teardown. Otherwise each host is a loopback address 127.0.0.(n+10)
 with its own free port. Either way no traffic leaves the machine. The namespaces share the
-filesystem, so each host gets its own folder (`TestHost.root`) for workdirs.
+filesystem, so each host gets its own folder (`TestHost.root`) for workdirs. With namespaces a
+test can also fail a host: cut or throttle its link (`cut_link`, `throttle`, `restore_link`) and
+find its SSH sessions' processes (`session_pids`).
 
 Needs the Debian packages openssh-server (sshd; it pulls in openssh-sftp-server for sftp-server
 and openssh-client for ssh-keygen) and iproute2 (ip; without it the hosts use loopback). Tests
@@ -67,6 +69,10 @@ class TestHost:
     netns: str | None
     # The address this host reaches the test process at (a frontend's address).
     gateway: str
+    # The host's end of its link as seen from the test process's namespace (None on loopback):
+    # what cut_link() takes down and throttle() slows.
+    veth: str | None = None
+    sshd_pid: int = 0  # the listening sshd; each SSH session is a child process of it
 
     def host_config(self, **overrides) -> HostConfig:
         config = HostConfig(
@@ -102,6 +108,67 @@ class TestHost:
                 f"{command!r} on {self.name} exited {done.returncode}: {done.stderr}"
             )
         return done.stdout
+
+    def cut_link(self) -> None:
+        """Take the host's link down: from now on its packets, both ways, are lost (as when a
+        host loses power or its cable), without any reset reaching either side."""
+        _ip("link", "set", self._need_veth(), "down")
+
+    def restore_link(self) -> None:
+        """Undo cut_link() and throttle()."""
+        subprocess.run(
+            ["tc", "qdisc", "del", "dev", self._need_veth(), "root"],
+            check=False, capture_output=True, timeout=COMMAND_TIMEOUT_S,
+        )  # fmt: skip
+        _ip("link", "set", self._need_veth(), "up")
+
+    def throttle(self, rate_kbit: int) -> None:
+        """Slow what the test process sends to the host to rate_kbit (a token bucket on the
+        link), so that a push lasts long enough to be interrupted on purpose."""
+        subprocess.run(
+            ["tc", "qdisc", "replace", "dev", self._need_veth(), "root", "tbf", "rate",
+             f"{rate_kbit}kbit", "burst", "32kbit", "latency", "5s"],
+            check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S,
+        )  # fmt: skip
+
+    def session_pids(self, name: str = "") -> list[int]:
+        """Processes below the host's sshd (its SSH sessions and what they run), optionally
+        only those whose command line contains `name`."""
+        children: dict[int, list[int]] = {}
+        for pid, ppid in _parents().items():
+            children.setdefault(ppid, []).append(pid)
+        found, todo = [], list(children.get(self.sshd_pid, []))
+        while todo:
+            pid = todo.pop()
+            todo += children.get(pid, [])
+            if name in _cmdline(pid):
+                found.append(pid)
+        return sorted(found)
+
+    def _need_veth(self) -> str:
+        if self.veth is None:
+            pytest.skip("needs network namespaces: a loopback host has no link to cut")
+        return self.veth
+
+
+def _parents() -> dict[int, int]:
+    """{pid: parent pid} of every process."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                stat = (proc / "stat").read_text()
+            except OSError:
+                continue
+            found[int(proc.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def skip_reason() -> str | None:
@@ -165,8 +232,8 @@ class _Namespaces:
     def gateway(self) -> str:
         return f"{self.subnet}.1"
 
-    def add_host(self, n: int) -> tuple[str, str]:
-        """Make host n's namespace; return (namespace name, its address)."""
+    def add_host(self, n: int) -> tuple[str, str, str]:
+        """Make host n's namespace; return (namespace name, its address, the outer veth)."""
         netns, outer, inner = f"{self.netns_prefix}{n}", f"{self.veth_prefix}{n}", f"ovi{n}"
         address = f"{self.subnet}.{n + 2}"
         _ip("netns", "add", netns)
@@ -177,7 +244,7 @@ class _Namespaces:
         _ip("-n", netns, "addr", "add", f"{address}/24", "dev", inner)
         _ip("-n", netns, "link", "set", inner, "up")
         _ip("-n", netns, "link", "set", "lo", "up")
-        return netns, address
+        return netns, address, outer
 
     def stop(self) -> None:
         for kind, name in reversed(self.created):
@@ -355,10 +422,10 @@ def _start_host(
     servers: list[_Sshd],
 ) -> TestHost:
     if network:
-        netns, address = network.add_host(n)
+        netns, address, veth = network.add_host(n)
         port, gateway = 22, network.gateway
     else:
-        netns, address, gateway = None, f"127.0.0.{n + 10}", "127.0.0.1"
+        netns, address, gateway, veth = None, f"127.0.0.{n + 10}", "127.0.0.1", None
         port = free_port(address)
     folder = root / f"host{n}"
     server = _Sshd(folder / "sshd", address, port, netns)
@@ -380,6 +447,8 @@ def _start_host(
         root=folder,
         netns=netns,
         gateway=gateway,
+        veth=veth,
+        sshd_pid=server.process.pid,
     )
 
 

@@ -4,6 +4,7 @@ stop strings, logprobs, disconnects, metrics and the official openai client."""
 import asyncio
 import json
 import math
+import time
 
 import httpx
 import openai
@@ -18,6 +19,7 @@ MODEL = "smollm2-test"
 REPLY = "Hello world! héllo 日本語 🚀 The end."
 MAX_SEQ_LEN = 96
 FAILURE_DETAIL = "rank 1 at 10.0.0.7:29500 died"
+JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="session")
@@ -231,7 +233,7 @@ CHAT_BAD = [
 @pytest.mark.parametrize("body,param", CHAT_BAD)
 async def test_chat_bad_input_is_400(client, engine, body, param):
     full = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body}
-    resp = await client.post("/v1/chat/completions", content=json.dumps(full))
+    resp = await client.post("/v1/chat/completions", content=json.dumps(full), headers=JSON)
     assert_error(resp, 400, param)
     assert engine.started == []
 
@@ -276,6 +278,169 @@ async def test_malformed_body_is_400_not_422(client, route, raw):
     assert_error(resp, 400, None)
 
 
+# ---- hostile input: the wire's limits, text that is not Unicode, bodies that are not JSON ----
+
+# Request field -> the SamplingParams field of proto/wire.proto that carries it to the ranks.
+WIRE_FIELDS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "seed": "seed",
+    "logprobs": "num_logprobs",
+    "top_logprobs": "num_logprobs",
+}
+
+
+def wire_range(wire_field: str) -> tuple[float, float]:
+    """The values a wire_pb2.SamplingParams field can carry without overflow."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    from proto import wire_pb2
+
+    kind = wire_pb2.SamplingParams.DESCRIPTOR.fields_by_name[wire_field].type
+    # A signed request seed reaches the wire as its 64 bits, so int64 fits a uint64 field.
+    signed_ok = wire_field == "seed"
+    return {
+        F.TYPE_FLOAT: (-3.4028234e38, 3.4028234e38),
+        F.TYPE_UINT32: (0, 2**32 - 1),
+        F.TYPE_INT32: (-(2**31), 2**31 - 1),
+        F.TYPE_UINT64: (-(2**63) if signed_ok else 0, 2**64 - 1),
+    }[kind]
+
+
+def numeric_properties(schema: dict) -> dict[str, dict]:
+    """Top-level body fields whose schema (or a member of its anyOf) is a number or integer."""
+    out = {}
+    for name, prop in schema["properties"].items():
+        for node in prop.get("anyOf", [prop]):
+            if node.get("type") in ("number", "integer"):
+                out[name] = node
+    return out
+
+
+def body_schema(openapi: dict, route: str) -> dict:
+    return openapi["paths"][route]["post"]["requestBody"]["content"]["application/json"]["schema"]
+
+
+async def test_schema_bounds_every_numeric_field_within_its_wire_type(client, engine):
+    openapi = (await client.get("/openapi.json")).json()
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        fields = numeric_properties(body_schema(openapi, route))
+        assert {"temperature", "top_p", "top_k", "seed", "n", "max_tokens"} <= set(fields)
+        for name, node in fields.items():
+            low = node.get("minimum", node.get("exclusiveMinimum"))
+            high = node.get("maximum", node.get("exclusiveMaximum"))
+            assert low is not None and high is not None, (route, name, node)
+            if name in WIRE_FIELDS:
+                wire_low, wire_high = wire_range(WIRE_FIELDS[name])
+                assert wire_low <= low and high <= wire_high, (route, name, node)
+            if name.startswith("max_"):  # this server's context, not just the type's range
+                assert high == MAX_SEQ_LEN - 1
+    props = body_schema(openapi, "/v1/completions")["properties"]
+    assert props["model"]["anyOf"][0]["enum"] == [MODEL]
+    [token_ids] = [
+        m for m in props["prompt"]["anyOf"] if m.get("items", {}).get("type") == "integer"
+    ]
+    assert token_ids["items"]["maximum"] == len(engine.tokenizer) - 1
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_every_value_past_a_published_bound_is_400_naming_the_field(client, engine, route):
+    openapi = (await client.get("/openapi.json")).json()
+    base = {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+    if route == "/v1/completions":
+        base["logprobs"] = None
+    for name, node in numeric_properties(body_schema(openapi, route)).items():
+        exact = int if node["type"] == "integer" else float  # JSON numbers may come as floats
+        bound = {key: exact(value) for key, value in node.items() if "imum" in key}
+        step = 1 if node["type"] == "integer" else 0.5
+        outside = [
+            bound["maximum"] + step if "maximum" in bound else bound["exclusiveMaximum"],
+            bound["minimum"] - step if "minimum" in bound else bound["exclusiveMinimum"],
+        ]
+        for value in outside:
+            resp = await client.post(route, json={**base, name: value}, headers=JSON)
+            assert_error(resp, 400, name)
+    assert engine.started == []
+
+
+# Escaped lone surrogates: valid JSON, but not text (UTF-8 cannot encode them).
+SURROGATES = [
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', "prompt"),
+    ("/v1/completions", '{"prompt": ["\\udfff"]}', "prompt[0]"),
+    ("/v1/completions", '{"prompt": "x", "stop": "\\ud800"}', "stop"),
+    ("/v1/completions", '{"prompt": "x", "stop": ["ok", "\\udbff"]}', "stop[1]"),
+    ("/v1/completions", '{"prompt": "x", "model": "\\ud800"}', "model"),
+    ("/v1/completions", '{"prompt": "x", "user": "\\ud800"}', "user"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', None),
+    ("/v1/chat/completions", '{"messages": [{"role": "\\ud800", "content": "x"}]}', None),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+        "messages[0].content[0].text",
+    ),
+    (
+        "/v1/chat/completions",
+        '{"messages": [{"role": "user", "content": "x"}], "stop": "\\ud800"}',
+        "stop",
+    ),
+]
+
+
+@pytest.mark.parametrize("route,raw,param", SURROGATES)
+async def test_lone_surrogates_are_400_naming_the_field(client, engine, route, raw, param):
+    param = param or ("messages[0].role" if '"role": "\\u' in raw else "messages[0].content")
+    resp = await client.post(route, content=raw, headers=JSON)
+    error = assert_error(resp, 400, param)
+    assert "surrogate" in error["message"]
+    assert engine.started == []
+    # The same escape as half of a pair is text (an emoji), not an error of this kind.
+    paired = raw.replace("\\ud800", "\\ud83d\\ude80").replace("\\udfff", "\\ud83d\\ude80")
+    paired = paired.replace("\\udbff", "\\ud83d\\ude80").replace("\\udc00", "\\ud83d\\ude80")
+    resp = await client.post(route, content=paired, headers=JSON)
+    assert resp.status_code < 500 and "surrogate" not in resp.text
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_bodies_not_sent_as_json_are_415(client, engine, route):
+    body = json.dumps({"prompt": "x", "messages": [{"role": "user", "content": "x"}]})
+    refused = [
+        None,
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/json; charset=latin-1",
+        "application/jsonx",
+    ]
+    for content_type in refused:
+        headers = {"content-type": content_type} if content_type else {}
+        resp = await client.post(route, content=body, headers=headers)
+        error = assert_error(resp, 415, None, code="unsupported_media_type")
+        assert "Content-Type" in error["message"] and "application/json" in error["message"]
+    assert engine.started == []
+    accepted = ["application/json", "Application/JSON", 'application/json; charset="UTF-8"']
+    for content_type in accepted:
+        resp = await client.post(route, content=body, headers={"content-type": content_type})
+        assert resp.status_code == 200, (content_type, resp.text)
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+async def test_text_too_long_for_the_context_is_refused_without_tokenizing(client, engine, route):
+    text = "many words " * (700 * 1024)  # 7.5 MiB: seconds to tokenize
+    chat = route == "/v1/chat/completions"
+    body = {"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}
+    started = time.monotonic()
+    resp = await client.post(route, json=body)
+    took_s = time.monotonic() - started
+    error = assert_error(resp, 400, "messages" if chat else "prompt")
+    assert error["message"].startswith(
+        f"This model's maximum context length is {MAX_SEQ_LEN} tokens. However, your request "
+        "has at least "
+    )
+    assert took_s < 2.0  # parsing and rendering only; tokenizing alone takes several seconds
+    assert engine.started == []
+
+
 async def test_prompt_longer_than_context_uses_vllm_wording(client, engine):
     prompt_ids = [42] * MAX_SEQ_LEN
     resp = await client.post("/v1/completions", json={"prompt": prompt_ids})
@@ -315,14 +480,14 @@ async def test_unknown_fields_are_ignored(client):
 
 
 async def test_body_over_limit_is_413(client):
-    resp = await client.post("/v1/completions", content=b" " * (8 * 1024 * 1024 + 1))
+    resp = await client.post("/v1/completions", content=b" " * (8 * 1024 * 1024 + 1), headers=JSON)
     assert_error(resp, 413, None, code="request_too_large")
 
     async def chunked():  # no content-length: the limit is enforced while reading
         for _ in range(9):
             yield b" " * (1024 * 1024)
 
-    resp = await client.post("/v1/completions", content=chunked())
+    resp = await client.post("/v1/completions", content=chunked(), headers=JSON)
     assert_error(resp, 413, None, code="request_too_large")
 
 
@@ -765,6 +930,19 @@ async def test_api_key_guards_every_route_but_health(engine):
         )
         right = {"Authorization": "Bearer s3cret"}
         assert (await c.get("/v1/models", headers=right)).status_code == 200
+
+
+async def test_api_key_guards_the_schema_and_turns_the_docs_off(engine):
+    app = create_app(engine, MODEL, api_key="s3cret")
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        assert_error(await c.get("/openapi.json"), 401, None, code="invalid_api_key")
+        right = {"Authorization": "Bearer s3cret"}
+        schema = await c.get("/openapi.json", headers=right)
+        assert schema.status_code == 200 and "/v1/completions" in schema.json()["paths"]
+        assert "/openapi.json" not in schema.json()["paths"]
+        for docs in ("/docs", "/redoc"):
+            assert_error(await c.get(docs, headers=right), 404, None)
 
 
 # ---- the official openai client ----

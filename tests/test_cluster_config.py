@@ -10,6 +10,7 @@ from orbit.cluster_config import (
     ClusterConfigError,
     HostConfig,
     RankPlacement,
+    SshConfig,
     load_cluster_config,
     parse_cluster_config,
 )
@@ -234,3 +235,27 @@ def test_signature_settings_resolve_key_paths_against_the_file():
     config = parse_cluster_config(text + MINIMAL, base_dir=Path("/srv"))
     assert config.require_signature is True
     assert config.trusted_keys == (Path("/srv/keys/signer.pub"), Path("/etc/orbit/b.pub"))
+
+
+def test_ssh_timeouts_have_defaults_and_can_be_set():
+    assert parse_cluster_config(MINIMAL).ssh == SshConfig(5.0, 3, 60.0)
+    assert SshConfig().silence_limit_s == 20.0  # a silent host is given up after 20 s
+    text = "[ssh]\nkeepalive_interval_s = 2.5\nkeepalive_count_max = 5\nstall_timeout_s = 300\n"
+    config = parse_cluster_config(MINIMAL + text)
+    assert config.ssh == SshConfig(2.5, 5, 300.0)
+    assert config.ssh.silence_limit_s == 15.0
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("stall_timeout = 60", "ssh.stall_timeout is not a known setting; did you mean"),
+        ("stall_timeout_s = 0", "ssh.stall_timeout_s must be a number of seconds > 0, got 0."),
+        ('keepalive_interval_s = "5"', "ssh.keepalive_interval_s must be a number of seconds"),
+        ("keepalive_count_max = 0", "ssh.keepalive_count_max must be an integer >= 1, got 0."),
+    ],
+)
+def test_ssh_errors_name_field_and_line(line, message):
+    with pytest.raises(ClusterConfigError) as e:
+        parse_cluster_config(MINIMAL + f"\n[ssh]\n{line}\n")
+    assert str(e.value).startswith(f"cluster.toml:7: {message}")

@@ -8,13 +8,11 @@ import asyncio
 import hashlib
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -25,84 +23,22 @@ import torch
 from orbit.cluster_ops import cluster_down
 from orbit.cluster_serve import HEARTBEAT_SILENCE_S
 from orbit.cluster_state import load_state, state_path
-from orbit.cluster_up import RankStartError, UpOptions, up
+from orbit.cluster_up import RankStartError, UpEvents, UpOptions, up
 from orbit.ssh import HostUnreachableError
 from runtime.package import read_manifest
 from tests.cli import STATE_ARGS, default_sigint, orbit, state_dir  # noqa: F401
 from tests.server import ServerProcess, alive
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
-from tests.two_host_cluster import hosts, package  # noqa: F401
+from tests.two_host_cluster import (  # noqa: F401
+    hosts,
+    package,
+    rank_processes,
+    write_cluster,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 UP_TIMEOUT_S = 120.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
-
-
-@dataclass(frozen=True)
-class Cluster:
-    path: Path  # cluster.toml
-    workdirs: tuple[Path, ...]
-
-
-def interface_of(host: TestHost) -> str:
-    """The interface holding the host's address: gloo must use it, not loopback."""
-    if not host.netns:
-        return "lo"
-    out = host.run(f"ip -o -4 addr show to {host.address}")
-    return out.split()[1]
-
-
-def host_table(host: TestHost, workdir: Path, **overrides) -> str:
-    fields = {
-        "address": host.address,
-        "ssh_port": host.port,
-        "user": host.user,
-        "identity_file": str(host.identity_file),
-        "known_hosts": str(host.known_hosts),
-        "gpus": 1,
-        "device": "cpu",
-        "workdir": str(workdir),
-        "python": sys.executable,
-        "nccl_interface": interface_of(host),
-        **overrides,
-    }
-    lines = ["[[hosts]]", *(f"{k} = {json.dumps(v)}" for k, v in fields.items())]
-    lines.append(f"env = {{ PYTHONPATH = {json.dumps(str(REPO))} }}")
-    return "\n".join(lines) + "\n"
-
-
-def write_cluster(
-    folder: Path, package: Path, hosts: list[TestHost], name: str, **per_host: dict
-) -> Cluster:
-    """cluster.toml for `hosts` with fresh workdirs; per_host["host1"] overrides host1's keys."""
-    folder.mkdir(parents=True, exist_ok=True)
-    start = random.randrange(20000, 60000, 100)
-    text = (
-        f"package = {json.dumps(str(package))}\n\n[frontend]\n"
-        f"address = {json.dumps(hosts[0].gateway)}\nport_range = [{start}, {start + 49}]\n\n"
-    )
-    workdirs = tuple(h.new_workdir(name) for h in hosts)
-    for h, w in zip(hosts, workdirs):
-        text += "\n" + host_table(h, w, **per_host.get(h.name, {}))
-    path = folder / "cluster.toml"
-    path.write_text(text)
-    return Cluster(path, workdirs)
-
-
-def rank_processes(workdirs: tuple[Path, ...]) -> list[int]:
-    """Pids of live processes whose command line mentions a workdir (the namespaces share this
-    machine's pid namespace, so /proc sees every host's processes)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if any(str(w) in cmdline for w in workdirs) and alive(int(proc.name)):
-            found.append(int(proc.name))
-    return found
 
 
 def shared_blob(workdir: Path, a: Path, b: Path) -> Path:
@@ -247,11 +183,12 @@ def test_up_records_live_ranks_and_a_second_up_is_a_no_op(running, hosts):
     assert all(alive(pid) for pid in pids)
     assert sorted(rank_processes(running.workdirs)) == sorted(pids)
     assert state.frontend_address == hosts[0].gateway
-    for host in state.hosts:  # each host holds the ranks' CURVE files, privately
+    for host in state.hosts:  # each host holds its own ranks' CURVE files, privately
         keys = Path(host.curve_dir)
-        assert sorted(p.name for p in keys.iterdir()) == ["client.key_secret", "server.key"]
+        secret = f"client-{host.index}.key_secret"  # one rank per host: rank = host index
+        assert sorted(p.name for p in keys.iterdir()) == [secret, "server.key"]
         assert keys.stat().st_mode & 0o777 == 0o700
-        assert (keys / "client.key_secret").stat().st_mode & 0o777 == 0o600
+        assert (keys / secret).stat().st_mode & 0o777 == 0o600
     again = orbit("up", str(running.path), "--timeout", str(UP_TIMEOUT_S), "--kv-pages", "256")
     assert again.returncode == 0, again.stderr
     assert "already up" in again.stderr
@@ -351,7 +288,25 @@ def _cmdline(proc: Path) -> str:
         return ""
 
 
-def test_new_package_replaces_the_ranks_and_a_corrupted_blob_is_pushed_again(
+class _PushWatch(UpEvents):
+    """Notes, as each host's push ends, whether the old ranks are all still alive, and when
+    the last push ended and the last new rank became ready."""
+
+    def __init__(self, old_pids: list[int]) -> None:
+        self.old_pids = old_pids
+        self.old_alive_after_push: list[bool] = []
+        self.pushed_at = self.ready_at = 0.0
+
+    def pushed(self, host_index: int, result) -> None:
+        self.old_alive_after_push.append(all(alive(pid) for pid in self.old_pids))
+        self.pushed_at = time.monotonic()
+
+    def rank_state(self, rank: int, host_label: str, state: str, detail: str = "") -> None:
+        if state == "ready":
+            self.ready_at = time.monotonic()
+
+
+def test_replacement_pushes_before_it_stops_the_old_ranks_and_repairs_a_corrupted_blob(
     running, package, tiny_checkpoints, package_cache
 ):
     # Same model, other capacities: a new package digest, with the same tokenizer files.
@@ -367,10 +322,14 @@ def test_new_package_replaces_the_ranks_and_a_corrupted_blob_is_pushed_again(
         f.write(bytes([first[0] ^ 0xFF]))
     text = running.path.read_text()
     running.path.write_text(text.replace(json.dumps(str(package)), json.dumps(str(new_package))))
+    watch = _PushWatch([r.pid for r in old.ranks])
     try:
-        result = asyncio.run(up(running.path, UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=256)))
+        opts = UpOptions(timeout_s=UP_TIMEOUT_S, kv_pages=256)
+        result = asyncio.run(up(running.path, opts, watch))
     finally:
         running.path.write_text(text)
+    assert watch.old_alive_after_push == [True, True]  # served on until both pushes were done
+    print(f"replacement: no ranks ready for at most {watch.ready_at - watch.pushed_at:.1f} s")
     assert result.replaced and not result.already_running
     assert result.state.package_digest != old.package_digest
     assert hashlib.sha256(blob.read_bytes()).hexdigest() == good

@@ -1,4 +1,6 @@
-"""The frontend's ZeroMQ link with CURVE: only ranks holding the allowed client key get in."""
+"""The frontend's ZeroMQ link with CURVE: only ranks holding an allowed client key get in, a
+message's rank is the key's rank whatever its body says, and malformed frames are dropped and
+counted without stopping the reader."""
 
 from __future__ import annotations
 
@@ -12,37 +14,45 @@ from orbit.rank_link import RankLink
 from proto import wire_pb2
 
 
-async def _send_hello(endpoint: str, rank: int, keys: ClientKeys | None) -> zmq.asyncio.Socket:
-    ctx = zmq.asyncio.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, f"rank-{rank}".encode())
+def _socket(endpoint: str, identity: str, keys: ClientKeys | None) -> zmq.asyncio.Socket:
+    sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
     sock.setsockopt(zmq.LINGER, 0)
     if keys is not None:
         secure_client(sock, keys)
     sock.connect(endpoint)
+    return sock
+
+
+async def _send_hello(endpoint: str, rank: int, keys: ClientKeys | None) -> zmq.asyncio.Socket:
+    sock = _socket(endpoint, f"rank-{rank}", keys)
     hello = wire_pb2.FromRank(hello=wire_pb2.Hello(rank=rank, tp_size=3))
     await sock.send(hello.SerializeToString())
     return sock
 
 
+async def _until(check, timeout_s: float = 5.0) -> None:
+    for _ in range(int(timeout_s / 0.05)):
+        if check():
+            return
+        await asyncio.sleep(0.05)
+
+
 async def _scenario(tmp_path):
-    good = create_keys(tmp_path / "cluster")
-    stranger = create_keys(tmp_path / "stranger")  # a well-formed key the frontend never allowed
+    good = create_keys(tmp_path / "cluster", 3)
+    stranger = create_keys(tmp_path / "stranger", 3)  # well-formed keys the frontend never allowed
     server = ServerKeys.load(good)
-    link = RankLink(3, curve=server)
-    strange = ClientKeys.load(stranger)
+    link = RankLink(3, server)
+    strange = ClientKeys.load(stranger, 2)
     link.start()
     socks = [
-        await _send_hello(link.endpoint, 0, ClientKeys.load(good)),
+        await _send_hello(link.endpoint, 0, ClientKeys.load(good, 0)),
         await _send_hello(link.endpoint, 1, None),  # plain ZeroMQ, no CURVE at all
         await _send_hello(
             link.endpoint, 2, ClientKeys(strange.public, strange.secret, server.public)
         ),
     ]
-    for _ in range(40):
-        if link.ranks[0].hello is not None:
-            break
-        await asyncio.sleep(0.05)
+    await _until(lambda: link.ranks[0].hello is not None)
     await asyncio.sleep(1.0)  # time enough for the refused ones to have arrived, were they let in
     seen = [r.hello is not None for r in link.ranks]
     for s in socks:
@@ -51,5 +61,34 @@ async def _scenario(tmp_path):
     return seen
 
 
-def test_only_the_allowed_key_gets_through(tmp_path):
+def test_only_the_allowed_keys_get_through(tmp_path):
     assert asyncio.run(_scenario(tmp_path)) == [True, False, False]
+
+
+async def _forgeries(tmp_path):
+    keys = create_keys(tmp_path / "keys", 2)
+    link = RankLink(2, ServerKeys.load(keys))
+    link.start()
+    # Rank 1's key, speaking for rank 0 (body and routing identity both say rank 0).
+    forger = _socket(link.endpoint, "rank-0", ClientKeys.load(keys, 1))
+    forged = wire_pb2.FromRank(failure=wire_pb2.Failure(rank=0, message="forged"))
+    await forger.send(forged.SerializeToString())
+    await forger.send(b"")  # an empty frame: no message kind at all
+    await forger.send(b"\xff\xfe not protobuf")
+    await forger.send_multipart([b"two", b"frames"])
+    # A genuine message from rank 1 after all that: the reader must still be running.
+    heartbeat = wire_pb2.FromRank(heartbeat=wire_pb2.Heartbeat(rank=1, last_step_id=7))
+    await forger.send(heartbeat.SerializeToString())
+    await _until(lambda: link.ranks[1].last_seen > 0)
+    result = (link.failure, link.ranks[0].last_seen, link.ranks[1].last_seen, link.dropped_messages)
+    forger.close()
+    link.close()
+    return result
+
+
+def test_forged_and_malformed_messages_are_dropped_and_counted(tmp_path):
+    failure, rank0_seen, rank1_seen, dropped = asyncio.run(_forgeries(tmp_path))
+    assert failure is None  # the forged Failure did not fail the link
+    assert rank0_seen == 0  # nothing was credited to rank 0
+    assert rank1_seen > 0  # the reader survived and took rank 1's real heartbeat
+    assert dropped == 4

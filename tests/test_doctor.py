@@ -13,16 +13,22 @@ import dataclasses
 import json
 import random
 import re
+import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from orbit import __version__ as orbit_version
 from orbit.checks import HARD, WARN, check_software, choose_interface
 from orbit.cluster_state import load_state, state_path
 from orbit.cluster_up import RankStartError, UpOptions, up
-from orbit.fingerprint import HostFingerprint, Interface, Route
+from orbit.fingerprint import HostFingerprint, Interface, Route, orbit_build
+from orbit.fingerprint_probe import CODE_PACKAGES, code_digest
+from orbit.netcheck import remote_listener
+from orbit.ssh import connect
 from tests.cli import STATE_ARGS, orbit, state_dir  # noqa: F401
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
 from tests.two_host_cluster import hosts, package  # noqa: F401
@@ -34,7 +40,8 @@ def write_cluster(
     folder: Path, package: Path, hosts: list[TestHost], frontend: str = "", **per_host: dict
 ) -> Path:
     """cluster.toml for `hosts` with fresh workdirs and no pinned interface (the preflight
-    chooses it); per_host["host1"] overrides host1's keys."""
+    chooses it); per_host["host1"] overrides host1's keys (its "env" replaces the PYTHONPATH
+    that points at this source tree)."""
     folder.mkdir(parents=True, exist_ok=True)
     start = random.randrange(20000, 60000, 100)
     text = (
@@ -43,14 +50,16 @@ def write_cluster(
         f"port_range = [{start}, {start + 49}]\n"
     )
     for h in hosts:
+        overrides = dict(per_host.get(h.name, {}))
+        env = overrides.pop("env", {"PYTHONPATH": str(REPO)})
         fields = {
             "address": h.address, "ssh_port": h.port, "user": h.user,
             "identity_file": str(h.identity_file), "known_hosts": str(h.known_hosts),
             "gpus": 1, "device": "cpu", "workdir": str(h.new_workdir(folder.name)),
-            "python": sys.executable, **per_host.get(h.name, {}),
+            "python": sys.executable, **overrides,
         }  # fmt: skip
         text += "\n[[hosts]]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in fields.items())
-        text += f"env = {{ PYTHONPATH = {json.dumps(str(REPO))} }}\n"
+        text += "env = { " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env.items()) + " }\n"
     path = folder / "cluster.toml"
     path.write_text(text)
     return path
@@ -204,6 +213,89 @@ def test_a_host_whose_python_hangs_is_reported_within_the_timeout(hosts, package
     assert _processes_of(hanger) == []
 
 
+def test_more_ranks_than_shards_is_a_finding_and_the_rest_is_still_checked(
+    hosts, package, tmp_path
+):
+    # Three ranks for a TP=2 package: rank 2 has no shard.
+    cluster = write_cluster(tmp_path / "three", package, hosts, host0={"gpus": 2})
+    done = orbit("doctor", str(cluster))
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())
+    assert (
+        "the hosts place 3 ranks (hosts[0]: 2, hosts[1]: 1) but the package has 2 shards "
+        "(tp_size 2); every rank needs exactly one." in out
+    )
+    assert "or prepare the package with --tp 3" in out
+    for h in hosts:  # every host was still fingerprinted, and its package files checked
+        assert f"{h.address}:{h.port} (" in out
+    assert out.count("the package is not on the host") == 2
+    assert "routes between hosts" in out and "1 hard problem(s)" in out
+
+
+def test_a_package_without_the_required_signature_is_a_finding(hosts, package, tmp_path):
+    assert orbit("keygen", str(tmp_path / "signer")).returncode == 0
+    cluster = write_cluster(tmp_path / "signature", package, hosts)
+    head = f'require_signature = true\ntrusted_keys = ["{tmp_path / "signer.pub"}"]\n'
+    cluster.write_text(head + cluster.read_text())
+    done = orbit("doctor", str(cluster))
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())
+    assert f"{package} is not signed (manifest.sig is missing)" in out  # the table wraps
+    assert "sign the package (`orbit prepare --sign KEY`)" in out
+    for h in hosts:
+        assert f"{h.address}:{h.port} (" in out
+    assert "1 hard problem(s)" in out
+
+
+def test_hosts_running_other_code_are_flagged_and_up_refuses_them(hosts, package, tmp_path):
+    # host1 imports a copy of the source tree with one comment added: same __version__.
+    copy = tmp_path / "src"
+    for name in CODE_PACKAGES:
+        shutil.copytree(REPO / name, copy / name, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(copy / "orbit" / "engine.py", "a") as f:
+        f.write("# a local edit\n")
+    cluster = write_cluster(
+        tmp_path / "code", package, hosts, host1={"env": {"PYTHONPATH": str(copy)}}
+    )
+    ours = orbit_build(orbit_version, code_digest([str(REPO)]))
+    theirs = orbit_build(orbit_version, code_digest([str(copy)]))
+    assert ours != theirs
+
+    start = time.monotonic()
+    done = orbit("doctor", str(cluster))
+    print(f"orbit doctor found the code mismatch in {time.monotonic() - start:.1f} s")
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = " ".join(done.stdout.split())
+    h1 = f"hosts[1] {hosts[1].address}:{hosts[1].port}"
+    [row] = [line for line in done.stdout.splitlines() if f"Orbit {theirs} here" in line]
+    assert h1 in row and f"{ours} on this machine (the frontend)." in row
+    assert "install this machine's Orbit here: same commit, no local edits." in row
+    assert "1 hard problem(s)" in out
+
+    start = time.monotonic()
+    refused = orbit("up", str(cluster), "--timeout", "60")
+    print(f"orbit up refused the code mismatch in {time.monotonic() - start:.1f} s")
+    assert refused.returncode == 1, refused.stderr
+    err = " ".join(refused.stderr.split())
+    assert f"{h1}: Orbit {theirs} here, {ours} on this machine" in err
+    assert pushed_nothing(cluster) and not state_path(cluster).exists()
+
+
+async def test_the_port_check_listens_only_on_the_address_it_checks(hosts):
+    host = hosts[0]
+    port = random.randrange(40000, 50000)
+    async with await connect(host.host_config(), False, 10.0) as conn:
+        config = host.host_config(python=sys.executable)
+        async with remote_listener(conn, config, host.address, port) as error:
+            assert error is None
+            sockets = [line.split()[3] for line in host.run("ss -ltnH").splitlines()]
+            assert [s for s in sockets if s.endswith(f":{port}")] == [f"{host.address}:{port}"]
+            # Another address of the same host is not listened on.
+            probe = f"import socket; socket.create_connection(('127.0.0.1', {port}), 3)"
+            with pytest.raises(RuntimeError, match="Connection refused"):
+                host.run(f"{sys.executable} -c {shlex.quote(probe)}")
+
+
 def _processes_of(path: Path) -> list[int]:
     found = []
     for proc in Path("/proc").iterdir():
@@ -288,9 +380,9 @@ def test_up_timeout_names_the_phase_each_rank_is_stuck_in(hosts, package, tmp_pa
 
 
 BASE_FP = HostFingerprint(
-    hostname="h", python="3.11.7", orbit="0.1.0", torch="2.5.1+cu124", cuda_runtime="12.4",
-    nccl="2.21.5", gpu_count=8, gpus=(), driver="550.54", workdir="/w", disk_free_bytes=1 << 40,
-    package_missing=(), interfaces=(), routes=(), clock_offset_s=0.0,
+    hostname="h", python="3.11.7", orbit="0.1.0", orbit_code=None, torch="2.5.1+cu124",
+    cuda_runtime="12.4", nccl="2.21.5", gpu_count=8, gpus=(), driver="550.54", workdir="/w",
+    disk_free_bytes=1 << 40, package_missing=(), interfaces=(), routes=(), clock_offset_s=0.0,
 )  # fmt: skip
 
 
@@ -300,7 +392,7 @@ def _fp(**changes) -> HostFingerprint:
 
 def test_versions_are_compared_against_the_majority():
     fps = [_fp(), _fp(nccl="2.18.1"), _fp(), _fp(python="3.11.9")]
-    found = {(f.check, f.host_index, f.severity) for f in check_software(fps)}
+    found = {(f.check, f.host_index, f.severity) for f in check_software(fps, "0.1.0")}
     assert found == {("nccl", 1, HARD), ("python", 3, WARN)}
 
 
