@@ -1,12 +1,18 @@
-"""Property tests of TextStream and TokenTexts against the real SmolLM2 tokenizer (byte-level BPE,
-so multi-byte characters really do split across tokens)."""
+"""Property tests of TextStream and TokenTexts against real tokenizers: SmolLM2's (byte-level BPE,
+so multi-byte characters really do split across tokens) and tiny ones trained here for the other
+decoder families (SentencePiece-style byte fallback, Metaspace, WordPiece), on both decoding
+paths: DecodeStream (Rust) and transformers' decode() of a window."""
 
+import json
 import random
+from itertools import accumulate, pairwise
 
 import pytest
-from transformers import AutoTokenizer
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers.decoders import DecodeStream
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from orbit.textstream import TextStream, TokenTexts
+from orbit.textstream import TextStream, TokenTexts, decode_stream_matches
 
 PARTIAL = "\ufffd"
 TEXTS = [
@@ -34,6 +40,98 @@ def tokenizer(tokenizer_dir):
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
 
 
+# Training text for the tiny tokenizers: ASCII only, so that other characters fall back to bytes
+# (or <unk>), as rare characters do in real vocabularies.
+CORPUS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def f(x):\n    return x * 2  # double\n\nprint(f(21))",
+    "It's a test; don't worry. We've seen you're fine, I'm sure!",
+    "naive cafe facade aaab abab END END. The END. the the",
+] * 4
+SPECIALS = ["<unk>", "<s>", "</s>"]
+SPECIAL_NAMES = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
+
+
+def sentencepiece_byte_fallback() -> PreTrainedTokenizerFast:
+    """Llama 2 / Mistral style: BPE over "▁"-marked words, <0x..> byte tokens for the rest, and a
+    decoder that strips the first leading space."""
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=200, special_tokens=SPECIALS))
+    spec = json.loads(tok.to_str())
+    vocab = spec["model"]["vocab"]
+    for b in range(256):
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    spec["model"]["byte_fallback"] = True
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_NAMES)
+
+
+def unigram_metaspace() -> PreTrainedTokenizerFast:
+    """T5 style: Unigram with a Metaspace decoder, which drops the first token's leading space."""
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+    tok.decoder = decoders.Metaspace(prepend_scheme="always")
+    trainer = trainers.UnigramTrainer(vocab_size=150, special_tokens=SPECIALS, unk_token="<unk>")
+    tok.train_from_iterator(CORPUS, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_NAMES)
+
+
+def wordpiece(cleanup_by: str) -> PreTrainedTokenizerFast:
+    """BERT style. cleanup_by="rust": the Rust decoder removes spaces before punctuation token by
+    token; "transformers": transformers' decode() does, on the whole text after the decoder."""
+    tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(cleanup=cleanup_by == "rust")
+    tok.train_from_iterator(
+        CORPUS, trainers.WordPieceTrainer(vocab_size=150, special_tokens=SPECIALS)
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        clean_up_tokenization_spaces=cleanup_by == "transformers",
+        **SPECIAL_NAMES,
+    )
+
+
+# Each test tokenizer, and whether its streams decode with DecodeStream.
+DECODE_STREAM_USED = {
+    "smollm2": True,
+    "smollm2-cleanup-flag": True,  # transformers ignores the flag for BPE: decode() is Rust's
+    "sentencepiece-byte-fallback": True,
+    "unigram-metaspace": True,
+    "wordpiece": True,
+    "wordpiece-cleanup": False,  # transformers' decode() cleans up after the Rust decoder
+}
+
+
+@pytest.fixture(scope="session")
+def tokenizers_by_name(tokenizer, tokenizer_dir):
+    return {
+        "smollm2": tokenizer,
+        "smollm2-cleanup-flag": AutoTokenizer.from_pretrained(
+            str(tokenizer_dir), clean_up_tokenization_spaces=True
+        ),
+        "sentencepiece-byte-fallback": sentencepiece_byte_fallback(),
+        "unigram-metaspace": unigram_metaspace(),
+        "wordpiece": wordpiece(cleanup_by="rust"),
+        "wordpiece-cleanup": wordpiece(cleanup_by="transformers"),
+    }
+
+
+@pytest.fixture(params=[True, False], ids=["decode_stream", "window"])
+def use_decode_stream(request) -> bool:
+    return request.param
+
+
 def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
@@ -42,10 +140,12 @@ def decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def run_stream(tokenizer, ids: list[int], stop=()) -> tuple[list[str], int | None, str]:
+def run_stream(
+    tokenizer, ids: list[int], stop=(), use_decode_stream=True
+) -> tuple[list[str], int | None, str]:
     """Feed ids until the stream stops. Returns the pieces, how many ids were consumed when a
     stop string matched (None if none did) and the text flushed by finish()."""
-    stream = TextStream(tokenizer, stop)
+    stream = TextStream(tokenizer, stop, use_decode_stream=use_decode_stream)
     pieces = []
     for k, token_id in enumerate(ids, start=1):
         pieces.append(stream.feed(token_id))
@@ -89,9 +189,11 @@ def random_stops(rng: random.Random, text: str) -> list[str]:
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_without_stop_strings_output_equals_decode_and_never_holds_whole_chars(tokenizer, text):
+def test_without_stop_strings_output_equals_decode_and_never_holds_whole_chars(
+    tokenizer, text, use_decode_stream
+):
     ids = encode(tokenizer, text)
-    stream = TextStream(tokenizer)
+    stream = TextStream(tokenizer, use_decode_stream=use_decode_stream)
     released = ""
     for k, token_id in enumerate(ids, start=1):
         piece = stream.feed(token_id)
@@ -110,19 +212,19 @@ def test_multibyte_characters_really_split_across_tokens(tokenizer):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_stop_strings_match_brute_force(tokenizer, seed):
+def test_random_stop_strings_match_brute_force(tokenizer, seed, use_decode_stream):
     rng = random.Random(seed)
     for text in TEXTS + random_texts(rng, 20):
         ids = encode(tokenizer, text)
         stop = random_stops(rng, text)
-        pieces, consumed, flushed = run_stream(tokenizer, ids, stop)
+        pieces, consumed, flushed = run_stream(tokenizer, ids, stop, use_decode_stream)
         want_text, want_consumed = expected_output(tokenizer, ids, stop)
         assert "".join(pieces) + flushed == want_text, (text, stop)
         assert consumed == want_consumed, (text, stop)
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_stop_strings_split_across_tokens(tokenizer, text):
+def test_stop_strings_split_across_tokens(tokenizer, text, use_decode_stream):
     """Every window spanning two or three token boundaries, used as the stop string."""
     ids = encode(tokenizer, text)
     cuts = [len(decode(tokenizer, ids[:k])) for k in range(1, len(ids))]
@@ -133,19 +235,19 @@ def test_stop_strings_split_across_tokens(tokenizer, text):
     ]
     assert spanning
     for stop in spanning:
-        pieces, consumed, flushed = run_stream(tokenizer, ids, [stop])
+        pieces, consumed, flushed = run_stream(tokenizer, ids, [stop], use_decode_stream)
         want_text, want_consumed = expected_output(tokenizer, ids, [stop])
         assert "".join(pieces) == want_text == text[: text.find(stop)]
         assert consumed == want_consumed and flushed == ""
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_holds_back_only_a_possible_stop_string_start(tokenizer, seed):
+def test_holds_back_only_a_possible_stop_string_start(tokenizer, seed, use_decode_stream):
     rng = random.Random(1000 + seed)
     for text in TEXTS + random_texts(rng, 20):
         ids = encode(tokenizer, text)
         stop = random_stops(rng, text)
-        stream = TextStream(tokenizer, stop)
+        stream = TextStream(tokenizer, stop, use_decode_stream=use_decode_stream)
         released = ""
         for k, token_id in enumerate(ids, start=1):
             released += stream.feed(token_id)
@@ -196,16 +298,16 @@ def test_multibyte_stop_string(tokenizer):
         assert consumed is not None
 
 
-def test_special_tokens_are_skipped(tokenizer):
+def test_special_tokens_are_skipped(tokenizer, use_decode_stream):
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids = encode(tokenizer, "before") + [eos] + encode(tokenizer, " after 日本")
-    pieces, _, flushed = run_stream(tokenizer, ids)
+    pieces, _, flushed = run_stream(tokenizer, ids, (), use_decode_stream)
     assert "".join(pieces) + flushed == "before after 日本" == decode(tokenizer, ids)
 
 
-def test_incomplete_character_at_the_end_is_flushed_as_decode_does(tokenizer):
+def test_incomplete_character_at_the_end_is_flushed_as_decode_does(tokenizer, use_decode_stream):
     ids = encode(tokenizer, "ok 日本語")[:-1]  # drop the token that completes the last character
-    pieces, _, flushed = run_stream(tokenizer, ids)
+    pieces, _, flushed = run_stream(tokenizer, ids, (), use_decode_stream)
     assert PARTIAL not in "".join(pieces)
     assert "".join(pieces) + flushed == decode(tokenizer, ids)
     assert flushed.endswith(PARTIAL)
@@ -214,6 +316,177 @@ def test_incomplete_character_at_the_end_is_flushed_as_decode_does(tokenizer):
 def test_empty_stop_string_is_rejected(tokenizer):
     with pytest.raises(ValueError):
         TextStream(tokenizer, ["x", ""])
+
+
+def complete_texts(tokenizer, ids: list[int]) -> list[str]:
+    """The complete characters of decode(ids[:k]) for k = 0..len(ids)."""
+    return [decode(tokenizer, ids[:k]).rstrip(PARTIAL) for k in range(len(ids) + 1)]
+
+
+def decode_is_stable(tokenizer, ids: list[int]) -> bool:
+    """Whether the complete characters of decode(ids[:k]) only ever grow with k. A stream cannot
+    take back text it released, so this is where its contract can hold token by token."""
+    return all(b.startswith(a) for a, b in pairwise(complete_texts(tokenizer, ids)))
+
+
+def decode_ends_stable(tokenizer, ids: list[int]) -> bool:
+    """Whether the complete characters of every decode(ids[:k]) begin decode(ids). Weaker: byte
+    fallback decodes "日" then "U+FFFD x4" when the next character's first byte comes, then "日本"."""
+    full = decode(tokenizer, ids)
+    return all(full.startswith(c) for c in complete_texts(tokenizer, ids))
+
+
+def random_id_sequences(tokenizer, rng: random.Random, count: int) -> list[list[int]]:
+    """Half re-encoded random text with special tokens spliced in; half uniform random ids
+    (special and byte tokens included, characters cut anywhere, and a few ids past the vocabulary,
+    as a model with a padded embedding can sample)."""
+    sequences = []
+    for text in random_texts(rng, count // 2):
+        ids = encode(tokenizer, text)
+        for _ in range(rng.randint(0, 2)):
+            ids.insert(rng.randint(0, len(ids)), rng.choice(tokenizer.all_special_ids))
+        sequences.append(ids)
+    for _ in range(count - count // 2):
+        sequences.append([rng.randrange(len(tokenizer) + 8) for _ in range(rng.randint(1, 40))])
+    return sequences
+
+
+def stream_pieces(tokenizer, ids, use_decode_stream) -> tuple[list[str], list[int]]:
+    """Each feed()'s text then finish()'s, and each token's text offset."""
+    stream = TextStream(tokenizer, use_decode_stream=use_decode_stream)
+    pieces, offsets = [], []
+    for token_id in ids:
+        offsets.append(stream.decoded_chars)
+        pieces.append(stream.feed(token_id))
+    pieces.append(stream.finish())
+    return pieces, offsets
+
+
+def some_stops(rng: random.Random, text: str) -> list[str]:
+    # Without U+FFFD: decode(ids[:k]) ends in one for a character the stream has not seen yet.
+    return [s for s in random_stops(rng, text) if PARTIAL not in s] if text else []
+
+
+@pytest.mark.parametrize(("name", "used"), DECODE_STREAM_USED.items())
+def test_decode_stream_is_used_where_it_matches_decode(tokenizers_by_name, name, used):
+    tok = tokenizers_by_name[name]
+    assert decode_stream_matches(tok) is used
+    assert TextStream(tok).uses_decode_stream is used
+    assert not TextStream(tok, use_decode_stream=False).uses_decode_stream
+
+
+def test_cleanup_flag_that_transformers_ignores_keeps_decode_stream(tokenizers_by_name):
+    tok = tokenizers_by_name["smollm2-cleanup-flag"]
+    ids = encode(tok, "Hello , world . It ' s")
+    text = decode(tok, ids)
+    assert tok.clean_up_tokenization_spaces
+    assert tok.clean_up_tokenization(text) != text == tok.backend_tokenizer.decode(ids)
+
+
+def test_window_path_follows_decode_that_cleans_up_spaces(tokenizers_by_name):
+    """Why wordpiece-cleanup does not use DecodeStream: its decode() drops the space before
+    punctuation, the Rust decoder (all DecodeStream sees) does not."""
+    tok = tokenizers_by_name["wordpiece-cleanup"]
+    ids = encode(tok, "hello , world ! the end .")
+    assert decode_is_stable(tok, ids)
+    stream = DecodeStream(skip_special_tokens=True)
+    streamed = "".join(stream.step(tok.backend_tokenizer, i) or "" for i in ids)
+    assert streamed != decode(tok, ids)
+    pieces, _ = stream_pieces(tok, ids, use_decode_stream=True)
+    assert "".join(pieces) == decode(tok, ids)
+
+
+def test_decode_stream_gives_way_to_the_window_where_decode_rewrites_its_text(
+    tokenizers_by_name,
+):
+    tok = tokenizers_by_name["sentencepiece-byte-fallback"]
+    ids = encode(tok, "x 日") + [tok.convert_tokens_to_ids("<0xE6>")] + encode(tok, "a")
+    # 日's byte tokens plus a lone byte are not UTF-8: decode() turns 日 into U+FFFDs.
+    assert not decode_is_stable(tok, ids)
+    stream = TextStream(tok)
+    pieces = [stream.feed(i) for i in ids] + [stream.finish()]
+    assert not stream.uses_decode_stream
+    assert pieces == stream_pieces(tok, ids, use_decode_stream=False)[0]
+
+
+@pytest.mark.parametrize("name", DECODE_STREAM_USED)
+def test_random_ids_stream_as_decode_on_both_paths(tokenizers_by_name, name):
+    tok = tokenizers_by_name[name]
+    rng = random.Random(name)
+    stable = ends_stable = 0
+    for ids in random_id_sequences(tok, rng, 200):
+        pieces, offsets = stream_pieces(tok, ids, use_decode_stream=True)
+        # The paths agree token by token, even where decode() rewrites its own text.
+        assert (pieces, offsets) == stream_pieces(tok, ids, use_decode_stream=False)
+        if decode_ends_stable(tok, ids):
+            ends_stable += 1
+            assert "".join(pieces) == decode(tok, ids)
+        if decode_is_stable(tok, ids):
+            stable += 1
+            complete = complete_texts(tok, ids)
+            assert list(accumulate(pieces[:-1])) == complete[1:]
+            assert offsets == [len(c) for c in complete[:-1]]
+    assert ends_stable >= 100 and stable >= 25
+
+
+@pytest.mark.parametrize("name", DECODE_STREAM_USED)
+def test_random_stop_strings_match_brute_force_for_each_tokenizer(
+    tokenizers_by_name, name, use_decode_stream
+):
+    tok = tokenizers_by_name[name]
+    rng = random.Random(f"stop-{name}")
+    checked = 0
+    for ids in random_id_sequences(tok, rng, 100):
+        stop = some_stops(rng, decode(tok, ids))
+        if not stop or not decode_ends_stable(tok, ids):
+            continue
+        checked += 1
+        pieces, consumed, flushed = run_stream(tok, ids, stop, use_decode_stream)
+        want_text, want_consumed = expected_output(tok, ids, stop)
+        assert "".join(pieces) + flushed == want_text, (ids, stop)
+        assert consumed == want_consumed, (ids, stop)
+    assert checked >= 50
+
+
+@pytest.mark.parametrize("name", DECODE_STREAM_USED)
+def test_feed_many_releases_what_feed_does_with_each_tokens_offset(tokenizers_by_name, name):
+    tok = tokenizers_by_name[name]
+    rng = random.Random(f"many-{name}")
+    for ids in random_id_sequences(tok, rng, 40):
+        stop = some_stops(rng, decode(tok, ids))
+        one = TextStream(tok, stop)
+        released = [""]  # what `one` released after each token
+        offsets = []
+        for token_id in ids:
+            if one.stopped:
+                break
+            offsets.append(one.decoded_chars)
+            one.feed(token_id)
+            assert one.fed_offsets == offsets[-1:]
+            released.append(one.text)
+        many = TextStream(tok, stop)
+        many_offsets = []
+        start = 0
+        while start < len(ids):
+            chunk = ids[start : start + rng.randint(1, 5)]
+            before = many.text
+            out = many.feed_many(chunk)
+            many_offsets += many.fed_offsets
+            assert many.text == before + out == released[len(many_offsets)]
+            start += len(chunk)
+        assert many_offsets == offsets
+        assert many.stopped == one.stopped
+        assert many.finish() == one.finish() and many.text == one.text
+
+
+def test_feed_many_stops_mid_call_and_reports_the_tokens_consumed(tokenizer):
+    ids = encode(tokenizer, "one two three four five")
+    stream = TextStream(tokenizer, ["three"])
+    out = stream.feed_many(ids)
+    _, consumed, _ = run_stream(tokenizer, ids, ["three"])
+    assert out == "one two " and stream.stopped
+    assert len(stream.fed_offsets) == consumed < len(ids)
+    assert stream.feed_many(ids) == "" and stream.fed_offsets == []
 
 
 def test_token_bytes_reassemble_the_text(tokenizer):
