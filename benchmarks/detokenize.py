@@ -1,4 +1,4 @@
-"""Per-token cost of incremental detokenization (orbit/textstream.py): transformers' decode() of a
+"""Per-token cost of incremental detokenization (orbit/http/textstream.py): transformers' decode() of a
 window per token (the fallback path, what every tokenizer used before) against DecodeStream.
 
     python -m benchmarks.detokenize [--tokenizer DIR] [--streams 256] [--tokens 256]
@@ -19,7 +19,7 @@ import random
 import time
 from pathlib import Path
 
-from orbit.textstream import TextStream
+from orbit.http.textstream import TextStream
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 MIXED = "日本語のテキスト、naïve café façade — Привет, мир 🚀👩‍👩‍👧 数学: ∑ᵢ xᵢ² ≤ ∞. "

@@ -2,6 +2,7 @@
 an Orbit package, through the path users take: a Hugging Face checkpoint, then `orbit prepare`.
 
     python -m benchmarks.random_package --out DIR --tokenizer TOKENIZER_DIR [--layers 32]
+        [--max-batch 64]
 
 The tokenizer only has to be a saved Hugging Face tokenizer (the benchmarks feed token ids
 directly, so its vocabulary need not match the model's). The checkpoint is written next to the
@@ -27,6 +28,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", type=Path, required=True)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--max-batch", type=int, default=64, help="the package's largest decode batch")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
     AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(ckpt)
     del model
     t1 = time.perf_counter()
-    opts = PrepareOptions(tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=64)
+    opts = PrepareOptions(tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=args.max_batch)
     prepare_package(ckpt, args.out, opts, progress=False)
     shutil.rmtree(ckpt)
     print(f"checkpoint {t1 - t0:.0f} s, prepare {time.perf_counter() - t1:.0f} s: {args.out}")

@@ -28,10 +28,11 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from orbit.curve import ServerKeys, create_keys
-from orbit.engine import Engine, EngineConfig, SamplingParams
-from orbit.local_ranks import LocalRankOptions, LocalRanks
-from orbit.rank_link import RankLink
+from orbit.core.engine import Engine, EngineConfig
+from orbit.core.local_ranks import LocalRankOptions, LocalRanks
+from orbit.core.rank_link import RankLink
+from proto import wire_pb2
+from runtime.curve import ServerKeys, create_keys
 from runtime.package import Package, open_package
 
 READY_TIMEOUT_S = 600.0
@@ -59,7 +60,6 @@ async def local_ranks(pkg: Package, device: str, kv_pages: int) -> AsyncIterator
 def engine_config(pkg: Package, overlap: bool) -> EngineConfig:
     caps = pkg.capacities
     return EngineConfig(
-        model_name="bench",
         max_seq_len=caps.max_seq_len,
         max_batch=caps.max_batch,
         page_size=caps.kv_page_size,
@@ -74,7 +74,7 @@ async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[
     """An engine over ranks that are already ready, its step loop running until exit. Each
     engine numbers its sequences and steps from 1, so one engine at a time per link, and on
     exit the loop stops only once every step it sent has answered."""
-    engine = Engine(config, link, tokenizer=None)
+    engine = Engine(config, link)
     await engine.start(READY_TIMEOUT_S)
     loop = asyncio.create_task(engine.run())
     try:
@@ -87,20 +87,22 @@ async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[
             await loop
 
 
-async def token_times(engine: Engine, prompt_ids: list[int], params: SamplingParams) -> list:
-    """perf_counter() at each token's arrival."""
+GREEDY = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
+
+
+async def token_times(engine: Engine, prompt_ids: list[int], max_tokens: int) -> list:
+    """perf_counter() at each token's arrival (greedy, EOS ignored)."""
     times = []
-    async for _ in engine.generate("bench", prompt_ids, params):
-        times.append(time.perf_counter())
+    async for out in engine.generate(prompt_ids, max_tokens, GREEDY, ignore_eos=True):
+        times += [time.perf_counter()] * len(out.token_ids)
     return times
 
 
 async def measure(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Run len(prompts) requests at once (the decode batch) after a one-request warm-up."""
-    await token_times(engine, prompts[0], SamplingParams(max_tokens=4, temperature=0))
+    await token_times(engine, prompts[0], 4)
     engine.recent_timings.clear()
-    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-    runs = await asyncio.gather(*(token_times(engine, p, params) for p in prompts))
+    runs = await asyncio.gather(*(token_times(engine, p, new_tokens) for p in prompts))
     # Intervals of the decode phase only: from each request's 8th token on, when every
     # request of the batch has finished its prefill and they step together.
     intervals = [b - a for times in runs for a, b in zip(times[8:], times[9:])]
@@ -186,6 +188,48 @@ async def run(args) -> dict:
                     report[mode]["of_roofline"] = round(report[mode]["tokens_per_s"] / roof, 4)
                 print(mode, json.dumps(report[mode]), flush=True)
     return report
+
+
+async def in_process_levels(
+    package: Path,
+    device: str,
+    tp: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    concurrencies: list[int],
+    requests_per_stream: int = 2,
+) -> dict[int, float]:
+    """The same requests as benchmarks/serving_sweep.py's levels, submitted to the engine core
+    in this process (no HTTP, no tokenization or detokenization): at each concurrency C,
+    C x requests_per_stream requests of prompt_tokens distinct prompt tokens, at most C at a
+    time. Returns {C: output tokens/s} over the wall time of each level, prefill included."""
+    pkg = open_package(package)
+    if pkg.tp_size != tp:
+        raise SystemExit(f"the package is for TP {pkg.tp_size}, not --tp {tp}")
+    total = prompt_tokens + new_tokens
+    kv_pages = max((max(concurrencies) + 1) * -(-total // pkg.capacities.kv_page_size) + 8,
+                   pkg.capacities.max_pages_per_seq)  # fmt: skip
+    out = {}
+    async with (
+        local_ranks(pkg, device, kv_pages) as link,
+        running_engine(engine_config(pkg, overlap=True), link) as engine,
+    ):
+        await token_times(engine, prompt(pkg, prompt_tokens), 4)  # warm-up
+        for level in concurrencies:
+            requests = [
+                prompt(pkg, prompt_tokens, salt=i + 1) for i in range(level * requests_per_stream)
+            ]
+            gate = asyncio.Semaphore(level)
+
+            async def one(ids: list[int], gate: asyncio.Semaphore = gate) -> int:
+                async with gate:
+                    return len(await token_times(engine, ids, new_tokens))
+
+            t0 = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(one(ids) for ids in requests)))
+            out[level] = round(tokens / (time.perf_counter() - t0), 2)
+            print(f"in-process concurrency {level}: {out[level]} tokens/s", flush=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -1,3 +1,5 @@
 """Orbit: serve large language models with tensor parallelism across GPUs and hosts."""
 
-__version__ = "0.1.0"
+from runtime.version import __version__
+
+__all__ = ["__version__"]

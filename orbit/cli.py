@@ -25,7 +25,7 @@ def _root(
 ) -> None:
     """Orbit: prepare a model, bring a cluster up, serve an OpenAI-compatible API."""
     if state_dir is not None:
-        from orbit.cluster_state import use_state_dir
+        from orbit.cluster.state import use_state_dir
 
         use_state_dir(state_dir)
 
@@ -134,20 +134,24 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option(help="Seconds running requests get on stop.")
     ] = 30.0,
+    api_servers: Annotated[
+        int,
+        typer.Option(help="HTTP API server processes; 0: one per four cores, 1 to 4."),
+    ] = 0,
     cache_dir: Annotated[
         Path, typer.Option(help="Where the default model's package is kept.")
     ] = Path.home() / ".cache" / "orbit",
 ) -> None:
     """Serve a package on this machine: its ranks plus the OpenAI-compatible HTTP API."""
-    import asyncio
     import logging
 
-    from orbit.cluster_config import ClusterConfigError
+    import uvloop
+
+    from orbit.core.api_servers import ListenError
+    from orbit.core.local_ranks import LocalRankOptions
     from orbit.default_model import DefaultModelMissing, default_package
-    from orbit.local_ranks import LocalRankOptions
     from orbit.serve import ServeOptions
     from orbit.serve import serve as run_serve
-    from orbit.ssh import ClusterError
     from runtime.package import PackageError
     from runtime.signing import SignatureError
 
@@ -175,6 +179,7 @@ def serve(
         trusted_keys=tuple(trusted_key or ()),
         max_queue=max_queue,
         cluster=cluster,
+        api_servers=api_servers,
         ranks=LocalRankOptions(
             device=device,
             kv_pages=kv_pages,
@@ -186,17 +191,32 @@ def serve(
 
     def on_ready(engine) -> None:
         err.print(
-            f"serving {engine.model_name} on http://{host}:{port}/v1 "
+            f"serving on http://{host}:{port}/v1 "
             f"({opts.package}, {engine.scheduler.config.num_pages} KV pages)"
         )
 
+    if api_servers < 0:
+        fail(f"--api-servers must be 0 (automatic) or more, not {api_servers}.")
     try:
-        code = asyncio.run(run_serve(opts, on_ready=on_ready))
+        code = uvloop.run(run_serve(opts, on_ready=on_ready))
     except (PackageError, SignatureError) as e:
         fail(str(e))
-    except (ClusterError, ClusterConfigError) as e:
+    except ListenError as e:
+        fail(str(e))
+    except _cluster_errors(cluster) as e:
         fail(_message(e))
     raise typer.Exit(code)
+
+
+def _cluster_errors(cluster: Path | None) -> tuple[type[Exception], ...]:
+    """What `serve --cluster` may raise; without --cluster, nothing of orbit/cluster/ (nor
+    asyncssh) is imported."""
+    if cluster is None:
+        return ()
+    from orbit.cluster.config import ClusterConfigError
+    from orbit.cluster.ssh import ClusterError
+
+    return ClusterError, ClusterConfigError
 
 
 def _api_key(key: str | None, key_file: Path | None, key_env: str | None) -> str | None:
@@ -229,7 +249,7 @@ def _api_key(key: str | None, key_file: Path | None, key_env: str | None) -> str
     return key
 
 
-# ---- cluster commands: orbit/cluster_up.py, cluster_ops.py, cluster_display.py ---------------
+# ---- cluster commands: orbit/cluster/up.py, cluster_ops.py, cluster_display.py ---------------
 
 ClusterFile = Annotated[Path, typer.Argument(help="The cluster.toml file (docs/cluster.md).")]
 
@@ -250,9 +270,9 @@ def _run_cluster(make_coro, ctrl_c_ends: bool = False, live=None):
     import contextlib
     import logging
 
-    from orbit.cluster_config import ClusterConfigError
-    from orbit.curve import CurveError
-    from orbit.ssh import ClusterError
+    from orbit.cluster.config import ClusterConfigError
+    from orbit.cluster.ssh import ClusterError
+    from runtime.curve import CurveError
     from runtime.package import PackageError
 
     # Every failure asyncssh logs also reaches us as an exception, which says it in one line;
@@ -270,7 +290,7 @@ def _run_cluster(make_coro, ctrl_c_ends: bool = False, live=None):
 
 
 def _cluster_package(package: Path | None, cluster: Path) -> Path:
-    from orbit.cluster_config import ClusterConfigError, load_cluster_config
+    from orbit.cluster.config import ClusterConfigError, load_cluster_config
 
     try:
         configured = load_cluster_config(cluster).package
@@ -302,9 +322,9 @@ def up(
 ) -> None:
     """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
     are ready."""
-    from orbit.cluster_progress import RichUpEvents
-    from orbit.cluster_up import UpOptions
-    from orbit.cluster_up import up as run_up
+    from orbit.cluster.progress import RichUpEvents
+    from orbit.cluster.up import UpOptions
+    from orbit.cluster.up import up as run_up
 
     opts = UpOptions(
         accept_new_host_keys=accept_new_host_keys,
@@ -333,9 +353,9 @@ def status(
     ] = None,
 ) -> None:
     """Show every rank: host, pid, alive, package, uptime, log. Exit 1 unless all are alive."""
-    from orbit.cluster_display import status_table
-    from orbit.cluster_ops import require_state, state_status
-    from orbit.cluster_state import ClusterStateError, all_states
+    from orbit.cluster.display import status_table
+    from orbit.cluster.ops import require_state, state_status
+    from orbit.cluster.state import ClusterStateError, all_states
 
     try:
         states = [require_state(cluster_toml)] if cluster_toml else all_states()
@@ -363,7 +383,7 @@ def logs(
     lines: Annotated[int, typer.Option(help="How many of the last lines to print.")] = 50,
 ) -> None:
     """Print the ranks' logs, read over SSH."""
-    from orbit.cluster_ops import cluster_logs, follow_cluster_logs
+    from orbit.cluster.ops import cluster_logs, follow_cluster_logs
 
     if follow:
 
@@ -387,7 +407,7 @@ def down(
     ] = 10.0,
 ) -> None:
     """Stop every rank `orbit up` started for cluster.toml and forget the cluster."""
-    from orbit.cluster_ops import cluster_down
+    from orbit.cluster.ops import cluster_down
 
     state = _run_cluster(lambda: cluster_down(cluster_toml, grace))
     if state is None:
@@ -396,7 +416,7 @@ def down(
     err.print(f"down: stopped {state.tp_size} ranks on {len(state.hosts)} hosts.", highlight=False)
 
 
-# ---- orbit doctor: orbit/doctor.py (checks in orbit/checks.py, orbit/preflight.py) ----------
+# ---- orbit doctor: orbit/cluster/doctor.py (checks in orbit/cluster/checks.py, orbit/cluster/preflight.py) ----------
 
 
 @app.command()
@@ -409,14 +429,14 @@ def doctor(
 ) -> None:
     """Check every host of cluster.toml as `orbit up` would, without starting anything: versions,
     GPUs, package, disk, clocks, network interfaces, ports. Exit 1 on a hard problem."""
-    from orbit.doctor import (
+    from orbit.cluster.doctor import (
         DoctorOptions,
         findings_table,
         fingerprint_table,
         routes_table,
         summary_line,
     )
-    from orbit.doctor import doctor as run_doctor
+    from orbit.cluster.doctor import doctor as run_doctor
 
     opts = DoctorOptions(accept_new_host_keys=accept_new_host_keys, probe_timeout_s=timeout)
     report = _run_cluster(lambda: run_doctor(cluster_toml, opts))

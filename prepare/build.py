@@ -15,7 +15,6 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-import orbit
 from prepare.model_spec import model_spec_from_config, sliding_window_limit
 from prepare.shard import check_source_names, rank_tensors
 from prepare.source import Checkpoint, SourceError, open_checkpoint
@@ -31,6 +30,7 @@ from runtime.package import (
 )
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
+from runtime.version import __version__
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def _manifest_head(ckpt: Checkpoint, opts: PrepareOptions) -> package_pb2.Manife
     )
     return package_pb2.Manifest(
         format_version=FORMAT_VERSION,
-        producer_version=orbit.__version__,
+        producer_version=__version__,
         source_name=ckpt.name,
         model=spec.to_proto(),
         dtype=dtype,

@@ -20,7 +20,7 @@ class RankConfig:
     threads: int  # torch intra-op threads on CPU; 0 leaves torch's default
     exit_with_parent: bool  # local ranks of `orbit serve` end when the frontend process does
     trusted_keys: tuple[str, ...]  # Ed25519 public keys; non-empty: the package must be signed
-    curve_dir: str  # client-R.key_secret + server.key (orbit/curve.py): the link's CURVE keys
+    curve_dir: str  # client-R.key_secret + server.key (runtime/curve.py): the link's CURVE keys
     # Limit on joining the TP group and on the collectives check; past it the rank reports a
     # Failure naming the phase and exits (NCCL and gloo init cannot be aborted from inside).
     join_timeout_s: float = 120.0

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import zmq
 
-from orbit.curve import ClientKeys, secure_client
 from proto import wire_pb2
+from proto.phases import PHASE_TEXT
+from runtime.curve import ClientKeys, secure_client
 
 log = logging.getLogger("orbit.rank")
 
@@ -30,16 +31,6 @@ WATCHDOG_EXIT_STATUS = 3
 # How long the watchdog waits for its Failure to leave before ending the process: ZeroMQ has no
 # delivery receipt, and the socket is connected (CURVE handshake done) while the phase runs.
 FAILURE_FLUSH_S = 1.0
-
-PHASE_TEXT = {
-    wire_pb2.PHASE_UNSPECIFIED: "unknown",
-    wire_pb2.PHASE_CONNECT: "connect",
-    wire_pb2.PHASE_JOIN_GROUP: "join group",
-    wire_pb2.PHASE_LOAD: "load",
-    wire_pb2.PHASE_KV_ALLOCATION: "KV allocation",
-    wire_pb2.PHASE_GRAPH_CAPTURE: "graph capture",
-    wire_pb2.PHASE_COLLECTIVES_CHECK: "collectives check",
-}
 
 
 def process_age_s() -> float:

@@ -8,7 +8,7 @@ this one's samples reach the host:
 - `finish(launched)`: wait for that copy, remember each sequence's token (what a later
   `follows_sample` row of a finished step uses), and build the StepResult.
 
-The frontend sends step N+1 before N's result (orbit/engine.py), so the rank finds it waiting:
+The frontend sends step N+1 before N's result (orbit/core/engine.py), so the rank finds it waiting:
 it launches N+1 and then finishes N, and the GPU runs N+1 while the host reports N. On the CPU
 path every step completes in launch, and the same two calls run in the same order.
 

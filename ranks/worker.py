@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from orbit.curve import ClientKeys, secure_client
+from runtime.curve import ClientKeys, secure_client
 from proto import wire_pb2
 from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit.cluster_state import use_state_dir
+from orbit.cluster.state import use_state_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CLI_TIMEOUT_S = 180.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from orbit.local_ranks import free_port
+from orbit.core.local_ranks import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -58,19 +58,22 @@ class ServerProcess:
 
     def rank_pids(self) -> list[int]:
         """Pids of this server's rank processes (children started in their own sessions)."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
+        return [pid for pid, cmd in children(self.proc.pid) if " -m ranks " in cmd]
+
+    def api_server_pids(self) -> list[int]:
+        """Pids of this server's API server processes."""
+        return [pid for pid, cmd in children(self.proc.pid) if " -m orbit.http " in cmd]
 
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 60.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
             return self.proc.returncode if self.proc else 0
-        children = self.rank_pids()
+        kids = [pid for pid, _ in children(self.proc.pid)]
         self.proc.send_signal(sig)
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            for pid in children:
+            for pid in kids:
                 _kill(pid)
             raise
         return self.proc.returncode
@@ -82,6 +85,19 @@ class ServerProcess:
                 name, value = line.rsplit(" ", 1)
                 out[name] = float(value)
         return out
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of each direct child of pid."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    found = []
+    for child in (int(p) for p in out.stdout.split()):
+        try:
+            cmd = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        found.append((child, f" {cmd} "))
+    return found
 
 
 def _kill(pid: int) -> None:

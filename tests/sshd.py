@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit.cluster_config import HostConfig
+from orbit.cluster.config import HostConfig
 
 SSHD = Path("/usr/sbin/sshd")
 SFTP_SERVERS = (

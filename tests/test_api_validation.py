@@ -11,9 +11,10 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from orbit.api import create_app
-from orbit.engine import EngineError, EngineNotReady, RequestTooLarge, TokenEvent
-from orbit.metrics import Counter, RateWindow
+from orbit.http.app import create_app
+from orbit.http.core_client import EngineError, EngineNotReady, RequestTooLarge
+from orbit.http.metrics import Counter, FrontendMetrics, RateWindow
+from proto import core_pb2
 
 MODEL = "smollm2-test"
 REPLY = "Hello world! héllo 日本語 🚀 The end."
@@ -28,9 +29,10 @@ def tokenizer(tokenizer_dir):
 
 
 class FakeEngine:
-    """Generates REPLY's tokens (words rotated by the seed) and then EOS; the logprob of the i-th
-    token is -(i % 3) - 0.5 and its alternatives are the next token ids, the last one at -inf.
-    Records every sequence started and every one closed before it finished."""
+    """Generates REPLY's tokens (words rotated by the seed) and then EOS, one per output as the
+    engine core sends them; the logprob of the i-th token is -(i % 3) - 0.5 and its
+    alternatives are the next token ids, the last one at -inf. Records every sequence started
+    and every one closed before it finished. Its metrics are the app's own (one API server)."""
 
     model_name = "fake"
     max_batch = 8
@@ -46,12 +48,14 @@ class FakeEngine:
         self.started: list[tuple[str, list[int], object]] = []
         self.aborted: list[str] = []
         self.first_token = asyncio.Event()
+        self.metrics = FrontendMetrics()
 
     def is_ready(self) -> bool:
         return self.ready
 
-    def metrics_text(self) -> str:
-        return "# TYPE orbit_engine_queue_length gauge\norbit_engine_queue_length 0\n"
+    async def metrics_text(self) -> str:
+        own = self.metrics.render()
+        return own + "# TYPE orbit_engine_queue_length gauge\norbit_engine_queue_length 0\n"
 
     def reply_ids(self, seed: int | None) -> list[int]:
         words = REPLY.split(" ")
@@ -89,17 +93,20 @@ class FakeEngine:
 
     def _finish_reason(self, i, token_id, params):
         if token_id in self.eos_token_ids and not params.ignore_eos:
-            return "stop"
-        return "length" if i + 1 >= params.max_tokens else None
+            return core_pb2.FINISH_STOP
+        return core_pb2.FINISH_LENGTH if i + 1 >= params.max_tokens else core_pb2.FINISH_NONE
 
     def _event(self, i, token_id, k, finish):
+        out = core_pb2.SeqOutput(token_ids=[token_id], finish=finish)
         if k is None:
-            return TokenEvent(token_id, None, [], finish)
+            return out
         logprob = -(i % 3) - 0.5
         top = [(token_id, logprob)] + [(token_id + j, logprob - j) for j in range(1, k)]
         if k >= 2:
             top[-1] = (top[-1][0], -math.inf)
-        return TokenEvent(token_id, logprob, top[:k], finish)
+        out.logprobs.append(logprob)
+        out.top.add(token_ids=[t for t, _ in top[:k]], logprobs=[lp for _, lp in top[:k]])
+        return out
 
 
 @pytest.fixture
@@ -109,7 +116,7 @@ def engine(tokenizer):
 
 @pytest.fixture
 def app(engine):
-    return create_app(engine, MODEL)
+    return create_app(engine, MODEL, metrics=engine.metrics)
 
 
 @pytest.fixture

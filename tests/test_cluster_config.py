@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit.cluster_config import (
+from orbit.cluster.config import (
     ClusterConfigError,
     HostConfig,
     RankPlacement,

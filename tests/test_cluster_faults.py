@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit.cluster_state import state_path
+from orbit.cluster.state import state_path
 from tests.cli import REPO, STATE_ARGS, default_sigint, state_dir  # noqa: F401
 from tests.sshd import TestHost, ssh_hosts  # noqa: F401
 from tests.two_host_cluster import Cluster, hosts, package, write_cluster  # noqa: F401

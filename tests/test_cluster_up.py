@@ -20,11 +20,11 @@ import openai
 import pytest
 import torch
 
-from orbit.cluster_ops import cluster_down
-from orbit.cluster_serve import HEARTBEAT_SILENCE_S
-from orbit.cluster_state import load_state, state_path
-from orbit.cluster_up import RankStartError, UpEvents, UpOptions, up
-from orbit.ssh import HostUnreachableError
+from orbit.cluster.ops import cluster_down
+from orbit.cluster.attach import HEARTBEAT_SILENCE_S
+from orbit.cluster.state import load_state, state_path
+from orbit.cluster.up import RankStartError, UpEvents, UpOptions, up
+from orbit.cluster.ssh import HostUnreachableError
 from runtime.package import read_manifest
 from tests.cli import STATE_ARGS, default_sigint, orbit, state_dir  # noqa: F401
 from tests.server import ServerProcess, alive

@@ -9,8 +9,8 @@ import asyncio
 import zmq
 import zmq.asyncio
 
-from orbit.curve import ClientKeys, ServerKeys, create_keys, secure_client
-from orbit.rank_link import RankLink
+from runtime.curve import ClientKeys, ServerKeys, create_keys, secure_client
+from orbit.core.rank_link import RankLink
 from proto import wire_pb2
 
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 
 from orbit import __version__ as orbit_version
-from orbit.checks import HARD, WARN, check_software, choose_interface
-from orbit.cluster_state import load_state, state_path
-from orbit.cluster_up import RankStartError, UpOptions, up
-from orbit.fingerprint import HostFingerprint, Interface, Route, orbit_build
-from orbit.fingerprint_probe import CODE_PACKAGES, code_digest
-from orbit.netcheck import remote_listener
-from orbit.ssh import connect
+from orbit.cluster.checks import HARD, WARN, check_software, choose_interface
+from orbit.cluster.state import load_state, state_path
+from orbit.cluster.up import RankStartError, UpOptions, up
+from orbit.cluster.fingerprint import HostFingerprint, Interface, Route, orbit_build
+from orbit.cluster.fingerprint_probe import CODE_PACKAGES, code_digest
+from orbit.cluster.netcheck import remote_listener
+from orbit.cluster.ssh import connect
 from tests.cli import STATE_ARGS, orbit, state_dir  # noqa: F401
 from tests.sshd import TestHost, free_port, ssh_hosts  # noqa: F401
 from tests.two_host_cluster import hosts, package  # noqa: F401
@@ -397,7 +397,7 @@ def test_versions_are_compared_against_the_majority():
 
 
 def test_interface_is_chosen_from_routes_and_never_a_bridge():
-    from orbit.cluster_config import parse_cluster_config
+    from orbit.cluster.config import parse_cluster_config
 
     two_hosts = 'package = "p"\n[[hosts]]\naddress = "10.0.0.1"\n[[hosts]]\naddress = "10.0.0.2"\n'
     config = parse_cluster_config(two_hosts)
@@ -414,7 +414,7 @@ def test_interface_is_chosen_from_routes_and_never_a_bridge():
 
 
 def test_slow_or_socket_collectives_are_warned_about():
-    from orbit.readiness import collectives_text, collectives_warnings
+    from orbit.cluster.readiness import collectives_text, collectives_warnings
     from proto import wire_pb2
 
     def ready(rank: int, us: float, transport: str = "nccl/ib") -> wire_pb2.Ready:

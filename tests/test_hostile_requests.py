@@ -18,9 +18,9 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from orbit.api import BodyLimits, HeadTimeoutH11Protocol, create_app, uvicorn_options
-from orbit.local_ranks import free_port
-from orbit.openai_types import PromptLimits
+from orbit.http.app import BodyLimits, HeadTimeoutH11Protocol, create_app, uvicorn_options
+from orbit.core.local_ranks import free_port
+from orbit.http.openai_types import PromptLimits
 from tests.server import REPO, ServerProcess
 from tests.test_api_validation import FakeEngine
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from benchmarks.step_overhead import engine_config, local_ranks, running_engine
-from orbit.engine import SamplingParams
+from orbit.http.core_client import SamplingParams
+from proto import core_pb2
 from runtime.package import open_package
 from tests.server import ServerProcess, alive
 
@@ -154,7 +155,19 @@ def test_stream_concatenates_to_non_streamed_text(smol_server):
 
 
 def _mixed_requests(n: int):
-    words = "orbit serves large language models across hosts with tensor parallel ranks".split()
+    words = [
+        "orbit",
+        "serves",
+        "large",
+        "language",
+        "models",
+        "across",
+        "hosts",
+        "with",
+        "tensor",
+        "parallel",
+        "ranks",
+    ]
     return [
         (" ".join(words[: 1 + i % len(words)]) * (1 + i % 3), 4 + (i * 7) % 29) for i in range(n)
     ]
@@ -185,8 +198,9 @@ def test_concurrent_requests_equal_their_single_outputs(tiny_tp2_server):
     assert asyncio.run(all_at_once()) == alone
 
 
-async def _engine_tokens(engine, prompt_ids, params) -> list[tuple[int, str | None]]:
-    return [(e.token_id, e.finish_reason) async for e in engine.generate("t", prompt_ids, params)]
+async def _engine_tokens(engine, prompt_ids, params) -> list[tuple[int, int]]:
+    outputs = engine.generate(prompt_ids, params.max_tokens, params.wire(), params.ignore_eos)
+    return [(out.token_ids[0], out.finish) async for out in outputs]
 
 
 def test_a_step_ahead_gives_every_request_its_single_request_tokens(
@@ -231,7 +245,7 @@ def test_a_step_ahead_gives_every_request_its_single_request_tokens(
     assert together == alone
     assert preemptions > 0
     finish = [t[-1][1] for t in alone]
-    assert finish.count("stop") >= 2 and "length" in finish
+    assert finish.count(core_pb2.FINISH_STOP) >= 2 and core_pb2.FINISH_LENGTH in finish
 
 
 def test_kv_exhaustion_preempts_and_loses_nothing(tiny_checkpoints, package_cache):
@@ -281,7 +295,7 @@ def test_seeded_sampling_repeats(smol_server):
     a = client.completions.create(seed=1234, n=2, **kw)
     b = client.completions.create(seed=1234, n=2, **kw)
     c = client.completions.create(seed=4321, n=2, **kw)
-    texts = lambda r: [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]  # noqa: E731
+    texts = lambda r: [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
     assert texts(a) == texts(b)
     assert texts(a) != texts(c)
 

@@ -1,4 +1,4 @@
-"""orbit.ssh and orbit.push against a real OpenSSH sshd (tests/sshd.py): host-key policy,
+"""orbit.cluster.ssh and orbit.cluster.push against a real OpenSSH sshd (tests/sshd.py): host-key policy,
 errors, and pushing a package into the host's content-addressed store."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 import asyncssh
 import pytest
 
-from orbit import push as push_module
-from orbit.push import PushError, push_package, shell_path
-from orbit.ssh import (
+from orbit.cluster import push as push_module
+from orbit.cluster.push import PushError, push_package, shell_path
+from orbit.cluster.ssh import (
     AuthenticationError,
     HostKeyChangedError,
     HostKeyUnknownError,

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from orbit.textstream import TextStream, TokenTexts, decode_stream_matches
+from orbit.http.textstream import TextStream, TokenTexts, decode_stream_matches
 
 PARTIAL = "\ufffd"
 TEXTS = [

@@ -1,0 +1,112 @@
+"""The API server processes of `orbit serve`: started by the engine core on the HTTP socket it
+bound, watched, and replaced when one dies.
+
+Every server accepts on the one listening socket (inherited), so connections spread over the
+servers by which one accepts first: a busy server accepts fewer. Each runs in a session of its
+own, so a Ctrl-C at the terminal reaches only the core, which drains and then stops them. Their
+logs go to the core's own stderr.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from orbit.core.api_link import ApiLink
+from orbit.core.local_ranks import REPO_ROOT, pythonpath
+
+log = logging.getLogger("orbit.core")
+
+WATCH_INTERVAL_S = 0.2
+RESTART_PAUSE_S = 1.0
+
+
+def default_api_servers() -> int:
+    """One per four cores, between 1 and 4: the core, the ranks' host threads and the HTTP
+    clients' share of the machine need the rest."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+class ListenError(RuntimeError):
+    """The HTTP address cannot be listened on."""
+
+
+def bind_http(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on; raises ListenError (port taken,
+    address not local) before anything else starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise ListenError(
+            f"cannot listen on {host}:{port} ({e.strerror}); choose another --port or --host."
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class ApiServers:
+    def __init__(self, count: int, config_path: Path, listener: socket.socket, link: ApiLink):
+        self.count, self.config_path, self.listener, self.link = count, config_path, listener, link
+        self.procs: dict[int, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        for index in range(self.count):
+            self._start(index)
+
+    def _start(self, index: int) -> None:
+        fd = self.listener.fileno()
+        cmd = [sys.executable, "-m", "orbit.http", "--config", str(self.config_path)]
+        cmd += ["--index", str(index), "--fd", str(fd)]
+        env = dict(os.environ, PYTHONPATH=pythonpath())
+        self.procs[index] = subprocess.Popen(
+            cmd, pass_fds=(fd,), env=env, cwd=REPO_ROOT, start_new_session=True
+        )
+
+    async def watch(self) -> None:
+        """Replace a server that exits; its sequences are aborted (the others go on)."""
+        while True:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            for index, proc in list(self.procs.items()):
+                if proc.poll() is None:
+                    continue
+                log.error(
+                    "API server %d (pid %d) exited with code %s; starting a new one",
+                    index, proc.pid, proc.returncode,
+                )  # fmt: skip
+                self.link.forget_pid(proc.pid)
+                await asyncio.sleep(RESTART_PAUSE_S)
+                self._start(index)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """TERM every server (uvicorn closes its connections), then KILL what is left."""
+        for proc in self.procs.values():
+            _signal(proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+            time.sleep(0.05)
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                _signal(proc, signal.SIGKILL)
+                proc.wait(timeout=5)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs.values()]
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,449 @@
+"""The engine core's engine: admits sequences into the scheduler, runs the step loop against the
+ranks, and hands each step's new tokens to the sequences' owners, once per step per owner.
+
+An owner (a `Sink`) is an API server process (orbit/core/api_link.py), or, in this process, a
+caller of `generate` (tests, benchmarks). Each owner names its sequences with keys of its own;
+every step, each owner with sequences in it gets one `StepOutputs` message (proto/core.proto),
+built in place, so an API server receives one message per step whatever its number of streams.
+
+The loop keeps up to two steps in flight (EngineConfig.overlap): right after sending step N
+it schedules and sends N+1 without waiting for N's samples, so the ranks find the next plan
+waiting when they finish one; when N's result arrives it is applied and N+2 is sent. Steps are
+sent and applied in order. A token that N samples is not known here when N+1 is planned: N+1
+tells the ranks to feed the token each sampled itself (follows_sample, see
+runtime/scheduler.py). Everything runs on one asyncio event loop, so the scheduler is never
+touched from two places at once.
+
+A request can fail only itself: a sequence whose part of a plan cannot be built, or whose draw
+fails on the ranks, ends alone with ERROR_SEQUENCE_FAILED. A step loop that dies of a bug fails
+the engine (every sequence ends with ERROR_ENGINE_FAILED, `is_ready` turns false) and logs why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from orbit.core.rank_link import RankFailure, RankLink
+from proto import core_pb2, wire_pb2
+from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
+
+log = logging.getLogger("orbit.core.engine")
+
+_UINT64_MASK = (1 << 64) - 1
+_FINISH = {"stop": core_pb2.FINISH_STOP, "length": core_pb2.FINISH_LENGTH}
+
+
+class Refused(Exception):
+    """A sequence the engine will not admit; `kind` is its core_pb2.ErrorKind."""
+
+    def __init__(self, kind: int, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+class EngineError(Exception):
+    """The ranks failed or the engine stopped; nothing can be served."""
+
+
+class SequenceFailed(Exception):
+    """The in-process `generate` of a sequence that ended with an error (its output says
+    which kind)."""
+
+    def __init__(self, output: core_pb2.SeqOutput):
+        super().__init__(output.error_message)
+        self.output = output
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_seq_len: int
+    max_batch: int
+    page_size: int
+    max_step_tokens: int
+    eos_token_ids: tuple[int, ...]
+    step_timeout_s: float = 60.0
+    # Sequences waiting for their first step beyond this are refused (ERROR_OVERLOADED, 429),
+    # so a flood costs bounded memory.
+    max_queue: int = 1024
+    # Plan and send the next step while the last one runs (two in flight), so the ranks do not
+    # wait for the core between steps. False: one step at a time (benchmarks compare).
+    overlap: bool = True
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        return 2 if self.overlap else 1
+
+
+@dataclass(eq=False)
+class Sink:
+    """An owner of sequences: `deliver` gets each step's outputs of its sequences in one call.
+    `live` maps the owner's keys to its sequences that have not ended (the engine keeps it)."""
+
+    live: dict[int, Sequence] = field(default_factory=dict)
+
+    def deliver(self, outputs: core_pb2.StepOutputs) -> None:
+        raise NotImplementedError
+
+
+@dataclass(eq=False, slots=True)
+class _Owner:
+    sink: Sink
+    key: int
+    logprobs: bool
+
+
+class _Queues(Sink):
+    """In-process owner: each sequence's outputs go to an asyncio queue of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.queues: dict[int, asyncio.Queue] = {}
+
+    def deliver(self, outputs: core_pb2.StepOutputs) -> None:
+        for out in outputs.outputs:
+            queue = self.queues.get(out.seq_key)
+            if queue is not None:
+                queue.put_nowait(out)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, link: RankLink | None):
+        self.config = config
+        self.link = link
+        self.scheduler: Scheduler | None = None
+        self._owners: dict[int, _Owner] = {}  # seq_id -> who gets its outputs
+        self._wake = asyncio.Event()
+        self._seq_ids = itertools.count(1)
+        self._ready = False
+        self._error: EngineError | None = None
+        self._stopping = False
+        self._local = _Queues()
+        self._local_keys = itertools.count(1)
+        self.steps = 0
+        self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
+        self._last_result_at = 0.0
+        # Rank 0's (execute_s, gpu_s) of the latest steps, for benchmarks.
+        self.recent_timings: deque[tuple[float, float]] = deque(maxlen=4096)
+
+    # ---- what owners call ------------------------------------------------------------------
+    def is_ready(self) -> bool:
+        return self._ready and self._error is None and not self._stopping
+
+    def submit(
+        self,
+        sink: Sink,
+        key: int,
+        prompt_ids,
+        max_tokens: int,
+        sampling: wire_pb2.SamplingParams,
+        ignore_eos: bool = False,
+    ) -> None:
+        """Admit one sequence; raises Refused. Its outputs go to sink.deliver under key."""
+        self._check_serving()
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise Refused(
+                core_pb2.ERROR_OVERLOADED,
+                f"{len(self.scheduler.waiting)} requests are already queued",
+            )
+        if not prompt_ids:
+            raise Refused(core_pb2.ERROR_TOO_LARGE, "the prompt is empty")
+        if key in sink.live:
+            raise Refused(core_pb2.ERROR_TOO_LARGE, f"sequence key {key} is already in use")
+        seq = Sequence(
+            seq_id=next(self._seq_ids),
+            prompt_ids=list(prompt_ids),
+            max_tokens=max_tokens,
+            sampling=sampling,
+            stop_token_ids=frozenset() if ignore_eos else frozenset(self.config.eos_token_ids),
+        )
+        try:
+            self.scheduler.add(seq)
+        except CapacityError as e:
+            raise Refused(core_pb2.ERROR_TOO_LARGE, str(e)) from None
+        sink.live[key] = seq
+        self._owners[seq.seq_id] = _Owner(sink, key, sampling.num_logprobs >= 0)
+        self._wake.set()
+
+    def abort(self, sink: Sink, key: int) -> None:
+        """End a sequence early (its client went away); its pages are released with the next
+        step. Unknown keys (already ended) are ignored."""
+        seq = sink.live.pop(key, None)
+        if seq is not None:
+            self._owners.pop(seq.seq_id, None)
+            if self.scheduler is not None and seq.status is not Status.FINISHED:
+                self.scheduler.abort(seq)
+                self._wake.set()
+
+    def drop(self, sink: Sink) -> None:
+        """An owner is gone (an API server died): abort every sequence it had."""
+        for key in list(sink.live):
+            self.abort(sink, key)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        sampling: wire_pb2.SamplingParams,
+        ignore_eos: bool = False,
+    ) -> AsyncIterator[core_pb2.SeqOutput]:
+        """In-process: yield each step's output of one sequence; raises Refused at admission
+        and SequenceFailed when it ends with an error. Closing the iterator early aborts it."""
+        key = next(self._local_keys)
+        queue: asyncio.Queue = asyncio.Queue()
+        self.submit(self._local, key, prompt_ids, max_tokens, sampling, ignore_eos)
+        self._local.queues[key] = queue
+        try:
+            while True:
+                out = await queue.get()
+                if out.error:
+                    raise SequenceFailed(out)
+                yield out
+                if out.finish:
+                    return
+        finally:
+            self._local.queues.pop(key, None)
+            self.abort(self._local, key)
+
+    def metrics_text(self) -> str:
+        s = self.scheduler
+        lines = ["# TYPE orbit_ready gauge", f"orbit_ready {int(self.is_ready())}"]
+        if s is not None:
+            lines += [
+                "# TYPE orbit_queue_length gauge",
+                f"orbit_queue_length {len(s.waiting)}",
+                "# TYPE orbit_running_sequences gauge",
+                f"orbit_running_sequences {len(s.running)}",
+                "# TYPE orbit_kv_pages_in_use gauge",
+                f"orbit_kv_pages_in_use {s.pages_in_use}",
+                "# TYPE orbit_kv_pages_total gauge",
+                f"orbit_kv_pages_total {s.config.num_pages}",
+                "# TYPE orbit_preemptions_total counter",
+                f"orbit_preemptions_total {s.num_preemptions}",
+            ]
+        if self.link is not None:
+            lines += [
+                "# TYPE orbit_rank_messages_dropped_total counter",
+                f"orbit_rank_messages_dropped_total {self.link.dropped_messages}",
+            ]
+        lines += [
+            "# TYPE orbit_steps_total counter",
+            f"orbit_steps_total {self.steps}",
+            "# TYPE orbit_step_seconds_total counter",
+            f"orbit_step_seconds_total {self.step_seconds:.6f}",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self, ready_timeout_s: float, link: RankLink | None = None) -> None:
+        """Wait for every rank, then size the scheduler from the smallest KV pool. With a new
+        link (ranks restarted after a failure) the engine serves again from a clean state."""
+        if link is not None:
+            self.link, self._error, self._ready = link, None, False
+        await self.link.wait_ready(ready_timeout_s)
+        c = self.config
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                num_pages=self.link.num_kv_pages,
+                page_size=c.page_size,
+                max_batch=c.max_batch,
+                max_step_tokens=c.max_step_tokens,
+                max_seq_len=c.max_seq_len,
+            )
+        )
+        self._ready = True
+
+    def begin_stopping(self) -> None:
+        """Refuse new sequences; running ones continue until they finish."""
+        self._stopping = True
+
+    @property
+    def error(self) -> EngineError | None:
+        """Why the engine stopped serving, once it has."""
+        return self._error
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
+    def idle(self) -> bool:
+        return not self._owners
+
+    def fail(self, error: EngineError) -> None:
+        """End every sequence with `error`; the engine serves nothing more."""
+        if self._error is None:
+            self._error = error
+            if not self._stopping:
+                log.error("engine failed: %s", error)
+        by_sink: dict[Sink, core_pb2.StepOutputs] = {}
+        for owner in self._owners.values():
+            outputs = by_sink.get(owner.sink) or by_sink.setdefault(
+                owner.sink, core_pb2.StepOutputs()
+            )
+            outputs.outputs.add(
+                seq_key=owner.key,
+                finish=core_pb2.FINISH_ERROR,
+                error=core_pb2.ERROR_ENGINE_FAILED,
+                error_message=str(error),
+            )
+            owner.sink.live.pop(owner.key, None)
+        self._owners.clear()
+        for sink, outputs in by_sink.items():
+            sink.deliver(outputs)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """The step loop; returns when the engine fails or is closed. A loop that dies of a bug
+        fails the engine (every sequence ends, `is_ready` false) and says so in the log, so the
+        server never looks healthy over a wedge."""
+        try:
+            await self._loop()
+        except Exception as e:  # logged with its traceback, then the engine fails
+            log.exception("the step loop failed")
+            self.fail(EngineError(f"the step loop failed: {type(e).__name__}: {e}"))
+
+    # ---- internals -------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        in_flight: deque[tuple[Step, asyncio.Future, float]] = deque()  # sent, oldest first
+        try:
+            while self._error is None:
+                if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
+                    continue
+                if not in_flight:
+                    await self._wake.wait()
+                    self._wake.clear()
+                    continue
+                try:
+                    step, result = await self._next_result(in_flight)
+                except RankFailure as e:
+                    self.fail(EngineError(str(e)))
+                    return
+                self._deliver(step, result)
+        finally:
+            for step, fut, _ in in_flight:
+                self.link.abandon(step.step_id, fut)
+
+    def _check_serving(self) -> None:
+        if self._error is not None:
+            raise Refused(core_pb2.ERROR_ENGINE_FAILED, str(self._error))
+        if self._stopping:
+            raise Refused(core_pb2.ERROR_STOPPING, "the server is shutting down")
+        if not self._ready:
+            raise Refused(core_pb2.ERROR_NOT_READY, "the model is still loading")
+
+    def _send_next(self, in_flight: deque) -> bool:
+        step = self.scheduler.schedule()
+        if step is None:
+            return False
+        plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
+        for chunk in step.chunks:
+            try:
+                _add_chunk(plan, chunk)
+            except Exception as e:  # this sequence alone fails
+                log.exception("planning sequence %d failed", chunk.seq.seq_id)
+                self._fail_sequence(chunk.seq, f"planning failed: {type(e).__name__}: {e}")
+        in_flight.append((step, self.link.submit(plan), time.perf_counter()))
+        return True
+
+    def _fail_sequence(self, seq: Sequence, why: str) -> None:
+        """End one sequence with an error; its pages are released with the next step."""
+        self.scheduler.abort(seq)
+        owner = self._owners.pop(seq.seq_id, None)
+        if owner is not None:
+            owner.sink.live.pop(owner.key, None)
+            outputs = core_pb2.StepOutputs()
+            outputs.outputs.add(
+                seq_key=owner.key,
+                finish=core_pb2.FINISH_ERROR,
+                error=core_pb2.ERROR_SEQUENCE_FAILED,
+                error_message=why,
+            )
+            owner.sink.deliver(outputs)
+
+    async def _next_result(self, in_flight: deque) -> tuple[Step, wire_pb2.StepResult]:
+        step, fut, sent_at = in_flight.popleft()
+        result = await self.link.result(step.step_id, fut, self.config.step_timeout_s)
+        now = time.perf_counter()
+        # A step's time starts when it was sent or when the one before it answered, whichever
+        # is later, so that the overlapping steps' times add up to the time spent stepping.
+        self.step_seconds += now - max(sent_at, self._last_result_at)
+        self._last_result_at = now
+        self.steps += 1
+        self.recent_timings.append((result.execute_s, result.gpu_s))
+        return step, result
+
+    def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
+        samples = {s.seq_id: s for s in result.samples}
+        tokens = {seq_id: s.token_id for seq_id, s in samples.items()}
+        for s in result.samples:
+            if s.error:
+                self._sample_failed(s)
+        owners, by_sink = self._owners, {}
+        for seq in self.scheduler.apply(step, tokens):
+            owner = owners.get(seq.seq_id)
+            if owner is None:
+                continue
+            outputs = by_sink.get(owner.sink)
+            if outputs is None:
+                outputs = by_sink[owner.sink] = core_pb2.StepOutputs()
+            out = outputs.outputs.add(seq_key=owner.key, token_ids=(tokens[seq.seq_id],))
+            if owner.logprobs:
+                s = samples[seq.seq_id]
+                out.logprobs.append(s.logprob)
+                out.top.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
+            if seq.finish_reason is not None:
+                out.finish = _FINISH[seq.finish_reason]
+                del owners[seq.seq_id]
+                owner.sink.live.pop(owner.key, None)
+        for sink, outputs in by_sink.items():
+            sink.deliver(outputs)
+
+    def _sample_failed(self, sample: wire_pb2.Sample) -> None:
+        owner = self._owners.get(sample.seq_id)
+        seq = owner.sink.live.get(owner.key) if owner else None
+        if seq is not None and seq.status is Status.RUNNING:
+            log.error("sampling sequence %d failed on the ranks: %s", seq.seq_id, sample.error)
+            self._fail_sequence(seq, f"sampling failed: {sample.error}")
+
+
+def random_seed() -> int:
+    return secrets.randbits(64)
+
+
+def seed_of(seed: int | None) -> int:
+    """The wire seed of a request's: any int64 maps to a distinct uint64 (two's complement),
+    so -1 and 2**63 - 1 differ; None draws one."""
+    return random_seed() if seed is None else seed & _UINT64_MASK
+
+
+def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
+    """Append one sequence's part of a step; a failure leaves the plan without it."""
+    # Checked before anything is added, so a value the wire cannot hold leaves no half entry.
+    step = (
+        wire_pb2.SeqStep(
+            seq_id=c.seq.seq_id,
+            token_ids=c.token_ids,
+            start_pos=c.start_pos,
+            new_pages=c.new_pages,
+            sample=c.sample,
+            follows_sample=c.follows_sample,
+        )
+        if not c.follows_sample
+        else None
+    )
+    if c.is_new:
+        plan.new_seqs.add(seq_id=c.seq.seq_id, sampling=c.seq.sampling)
+    if step is None:  # a decode row: nothing in it can be out of range
+        plan.seqs.add(
+            seq_id=c.seq.seq_id, start_pos=c.start_pos, new_pages=c.new_pages,
+            sample=c.sample, follows_sample=True,
+        )  # fmt: skip
+    else:
+        plan.seqs.append(step)

@@ -1,0 +1,5 @@
+import sys
+
+from orbit.http.server import main
+
+sys.exit(main())

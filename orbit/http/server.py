@@ -1,0 +1,115 @@
+"""An API server process of `orbit serve` (`python -m orbit.http`): the OpenAI-compatible HTTP
+API on the listening socket the engine core opened and handed down, with its own tokenizer and
+detokenizers, talking to the core over its IPC socket (orbit/http/core_client.py).
+
+The core starts `--api-servers` of these, each in a session of its own (a Ctrl-C at the
+terminal reaches only the core), and restarts one that dies. The settings come from a file the
+core wrote in its private run folder, so the API key never shows in `ps`. A server whose parent
+core is gone ends its streams with an error event and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvicorn
+import uvloop
+
+log = logging.getLogger("orbit.http")
+
+PARENT_POLL_S = 1.0
+# After the core is gone: time for the streams' error events to reach their clients.
+FLUSH_S = 1.0
+
+
+@dataclass(frozen=True)
+class ApiServerConfig:
+    """What every API server of one `orbit serve` shares; written by the core as JSON."""
+
+    package: str
+    model_name: str
+    core_endpoint: str
+    api_key: str | None = None
+    log_level: str = "warning"
+
+    def save(self, path: Path) -> None:
+        """Owner-only, written to a temporary name and renamed into place."""
+        tmp = path.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.__dict__, f)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> ApiServerConfig:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m orbit.http", description=__doc__)
+    p.add_argument("--config", required=True, type=Path)
+    p.add_argument("--index", required=True, type=int)
+    p.add_argument("--fd", required=True, type=int, help="the listening socket, inherited")
+    args = p.parse_args(argv)
+    cfg = ApiServerConfig.load(args.config)
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        format=f"%(asctime)s api-{args.index} %(name)s %(levelname)s %(message)s",
+    )
+    # uvloop: the per-stream writes and socket reads of many concurrent streams cost less.
+    uvloop.run(serve(cfg, args.index, socket.socket(fileno=args.fd)))
+    return 0
+
+
+async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> None:
+    from transformers import AutoTokenizer
+
+    from orbit.http.app import create_app, uvicorn_options
+    from orbit.http.core_client import CoreClient
+    from orbit.http.metrics import FrontendMetrics
+    from runtime.package import open_package
+
+    pkg = open_package(cfg.package)
+    tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    metrics = FrontendMetrics()
+    client = CoreClient(
+        cfg.core_endpoint, index, metrics.render, tokenizer, pkg.capacities.max_seq_len
+    )
+    await client.start()
+    app = create_app(
+        client, cfg.model_name, api_key=cfg.api_key, metrics=metrics, server_index=index
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            log_level="warning",
+            lifespan="off",
+            # The drain happens in the core before it stops this server: what is left are idle
+            # keep-alive connections and the cut streams' last events.
+            timeout_graceful_shutdown=5,
+            **uvicorn_options(),
+        )
+    )
+    watcher = asyncio.create_task(_exit_with_parent(server, client))
+    try:
+        await server.serve(sockets=[listener])
+    finally:
+        watcher.cancel()
+        client.close()
+
+
+async def _exit_with_parent(server: uvicorn.Server, client) -> None:
+    parent = os.getppid()
+    while os.getppid() == parent and not client.dead:
+        await asyncio.sleep(PARENT_POLL_S)
+    log.error("the engine core is gone; ending the streams and exiting")
+    client.fail_all("the engine core stopped")
+    await asyncio.sleep(FLUSH_S)
+    server.should_exit = True

@@ -1,0 +1,159 @@
+"""The engine core and its API server processes (`orbit serve --api-servers N`), on CPU with
+real processes: an API server dying leaves the core and the other servers' streams running and
+is replaced; the core dying ends every stream with an error event; the core's link drops
+malformed messages and answers a sequence it cannot admit with an error output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import zmq
+import zmq.asyncio
+
+from orbit.core.api_link import ApiLink
+from orbit.core.engine import Engine, EngineConfig
+from proto import core_pb2, wire_pb2
+from tests.server import ServerProcess, alive, children
+
+MAX_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def tp2_pkg(tiny_checkpoints, package_cache):
+    return package_cache(
+        tiny_checkpoints["llama"], 2, max_batch=8, kv_page_size=4, max_step_tokens=32
+    )
+
+
+def _api_server_pids(s: ServerProcess) -> dict[int, int]:
+    """API server index -> pid."""
+    found = {}
+    for pid, cmd in children(s.proc.pid):
+        if "orbit.http" in cmd:
+            found[int(cmd.split("--index")[1].split()[0])] = pid
+    return found
+
+
+class _Stream:
+    """A raw SSE stream of /v1/completions, read on a thread of its own."""
+
+    def __init__(self, s: ServerProcess):
+        body = {
+            "model": httpx.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"],
+            "prompt": "a b c",
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        self.client = httpx.Client(timeout=60)
+        self.response = self.client.send(
+            self.client.build_request("POST", s.url + "/v1/completions", json=body), stream=True
+        )
+        self.server = int(self.response.headers["x-orbit-api-server"])
+        self.lines = self.response.iter_lines()
+        assert next(line for line in self.lines if line.startswith("data:"))
+
+    def rest(self) -> list[str] | Exception:
+        try:
+            return [line for line in self.lines if line.startswith("data:")]
+        except httpx.HTTPError as e:
+            return e
+        finally:
+            self.client.close()
+
+
+def test_an_api_server_dying_leaves_the_core_and_the_other_streams(tp2_pkg):
+    with ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "2") as s:
+        streams: list[_Stream] = []
+        for _ in range(30):  # connections land on either server; get one on each
+            streams.append(_Stream(s))
+            if {st.server for st in streams} == {0, 1}:
+                break
+        assert {st.server for st in streams} == {0, 1}
+        ranks = s.rank_pids()
+        victim = _api_server_pids(s)[0]
+        os.kill(victim, signal.SIGKILL)
+        for st in streams:
+            rest = st.rest()
+            if st.server == 1:  # untouched: ends normally, every token there
+                assert not isinstance(rest, Exception) and rest[-1] == "data: [DONE]"
+                usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+                assert usage["completion_tokens"] == MAX_TOKENS
+        deadline = time.monotonic() + 60
+        while _api_server_pids(s).get(0) in (None, victim):
+            assert time.monotonic() < deadline, "API server 0 was not replaced"
+            time.sleep(0.2)
+        assert s.rank_pids() == ranks  # the core and its rank group went on
+        # The dead server's sequences were aborted: every page is back.
+        while s.metrics().get("orbit_running_sequences", 1):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert s.metrics()["orbit_kv_pages_in_use"] == 0
+
+
+def test_the_core_dying_ends_every_stream_with_an_error_event(tp2_pkg):
+    s = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "2").__enter__()
+    try:
+        api_servers = list(_api_server_pids(s).values())
+        ranks = s.rank_pids()
+        stream = _Stream(s)
+        os.kill(s.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        rest = stream.rest()
+        took = time.monotonic() - t0
+        assert not isinstance(rest, Exception)
+        assert '"error"' in rest[-2] and rest[-1] == "data: [DONE]"
+        assert took < 10
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in api_servers + ranks):
+            assert time.monotonic() < deadline, "API servers or ranks outlived the core"
+            time.sleep(0.2)
+    finally:
+        s.stop()
+
+
+async def _link_scenario(tmp_path):
+    engine = Engine(EngineConfig(64, 4, 4, 32, (0,)), None)  # no ranks: never ready
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    link = ApiLink(engine, endpoint, engine.metrics_text)
+    link.start()
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    await sock.send(b"\xff\xfe junk")
+    await sock.send_multipart([b"two", b"frames"])
+    generate = core_pb2.Generate(
+        seq_key=7, prompt_ids=[1, 2], max_tokens=4, sampling=wire_pb2.SamplingParams()
+    )
+    await sock.send(core_pb2.FromApiServer(generate=generate).SerializeToString())
+    outputs, status = [], None
+    async with asyncio.timeout(5):
+        while not outputs or status is None:
+            msg = core_pb2.ToApiServer()
+            msg.ParseFromString(await sock.recv())
+            if msg.WhichOneof("kind") == "outputs":
+                outputs += msg.outputs.outputs
+            elif msg.WhichOneof("kind") == "status":
+                status = msg.status
+    dropped = link.dropped_messages
+    sock.close()
+    ctx.term()
+    link.close()
+    return outputs, status, dropped
+
+
+def test_the_core_link_drops_junk_and_refuses_what_it_cannot_admit(tmp_path):
+    outputs, status, dropped = asyncio.run(_link_scenario(tmp_path))
+    assert dropped == 2
+    assert not status.ready
+    (out,) = outputs
+    assert out.seq_key == 7 and out.finish == core_pb2.FINISH_ERROR
+    assert out.error == core_pb2.ERROR_NOT_READY

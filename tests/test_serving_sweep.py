@@ -1,0 +1,62 @@
+"""benchmarks.serving_sweep against a real tiny `orbit serve` on the CPU: its report adds up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import serving_sweep
+from benchmarks.serving_sweep import RequestRecord, itl_samples_s, percentiles_ms
+from tests.server import ServerProcess
+
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_checkpoints, package_cache):
+    pkg = package_cache(
+        tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=8, max_step_tokens=64
+    )
+    with ServerProcess(pkg, "--kv-pages", "256") as server:
+        yield server
+
+
+def test_sweep_report_adds_up(tiny_server, tmp_path):
+    out = tmp_path / "sweep.json"
+    args = ["--url", tiny_server.url, "--server-pid", str(tiny_server.proc.pid)]
+    args += ["--concurrency", "1,4", "--prompt-tokens", "16", "--new-tokens", str(NEW_TOKENS)]
+    args += ["--client-procs", "1", "--gpu-busy", "off", "--out", str(out)]
+    report = serving_sweep.main(args)
+
+    assert json.loads(out.read_text()) == report
+    assert [level["concurrency"] for level in report["levels"]] == [1, 4]
+    for level in report["levels"]:
+        assert level["requests"] == 2 * level["concurrency"]
+        assert level["failures"] == 0, level["first_errors"]
+        assert level["output_tokens"] == level["requests"] * NEW_TOKENS
+        assert level["output_tokens_per_s"] > 0 and level["requests_per_s"] > 0
+        assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
+        assert 0 < level["itl_ms"]["p50"] <= level["itl_ms"]["p90"] <= level["itl_ms"]["p99"]
+        assert level["tokens_per_chunk"] >= 1
+        cpu = level["frontend_cpu"]
+        assert cpu["us_per_token"] > 0
+        roles = {p["role"] for p in cpu["processes"]}
+        assert "core" in roles and not any("-m ranks" in p["cmd"] for p in cpu["processes"])
+        by_role = sum(cpu["us_per_token_by_role"].values())
+        assert by_role == pytest.approx(cpu["us_per_token"], abs=0.01)
+
+
+def test_chunk_tokens_exact_where_said_else_spread():
+    record = RequestRecord(sent_s=0.0, times_s=[1.0, 2.0, 4.0, 5.0])
+    record.chunk_tokens = [None, 3, None, None]
+    record.usage_tokens = 8  # 5 tokens left for 3 chunks that did not say: 1, 2, 2
+    assert record.resolved_chunk_tokens() == [1, 3, 2, 2]
+    # After the first chunk each token counts once: its chunk's gap over the chunk's tokens.
+    assert itl_samples_s(record.times_s, [1, 3, 2, 2]) == [1 / 3] * 3 + [1.0] * 2 + [0.5] * 2
+
+
+def test_percentiles_nearest_rank():
+    values_s = [i / 1000 for i in range(1, 101)]  # 1..100 ms
+    assert percentiles_ms(values_s) == {"p50": 50.0, "p90": 90.0, "p99": 99.0}
+    assert percentiles_ms([]) == {"p50": None, "p90": None, "p99": None}
