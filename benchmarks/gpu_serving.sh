@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 16's measurements on the lent GPU machine, everything written under $OUT (docs/performance.md
-# quotes the results). Two parts, so each device call stays under its 10-minute limit:
+# quotes the results). PART=all (the default) runs http, then engine at REF_LEVELS, each bounded
+# so that one device call stays under its 10-minute limit; or one part:
 #   PART=engine  the random 8B-architecture package (built if missing, --max-batch 256), then the
 #                ranks-only decode figures (benchmarks.step_overhead) and the same requests
 #                submitted in-process to the engine core (step_overhead.in_process_levels)
@@ -20,14 +21,12 @@ if [ -d .whl ]; then  # the openai client and what it needs beyond the image
     --target /tmp/site-whl .whl/*.whl && export PYTHONPATH=/tmp/site-whl:$PYTHONPATH
 fi
 if [ ! -f "$pkg/manifest.pb" ]; then
+  date -u +"%T package" >&2
   timeout 400 python3 -m benchmarks.random_package --out "$pkg" --max-batch 256 \
     --tokenizer "${ORBIT_TEST_TOKENIZER:?the package needs a saved tokenizer}" 2>&1 | tail -3
 fi
-case "${PART:-http}" in
-engine)
-  timeout "${STEP_TIMEOUT:-240}" python3 -m benchmarks.step_overhead --package "$pkg" \
-    --device cuda --prompt-tokens 512 --new-tokens 256 --batch "$levels" --out "$out" \
-    2>&1 | tee "$out/step.log"
+engine_part() {
+  date -u +"%T engine" >&2
   timeout "${CORE_TIMEOUT:-240}" python3 -c "
 import asyncio, json, sys
 from benchmarks.step_overhead import in_process_levels
@@ -35,10 +34,18 @@ levels = [int(c) for c in '$levels'.split(',')]
 r = asyncio.run(in_process_levels('$pkg', 'cuda', 1, 512, 256, levels))
 json.dump(r, open('$out/in_process.json', 'w'))
 " 2>&1 | tee "$out/in_process.log"
-  ;;
-http)
+  timeout "${STEP_TIMEOUT:-240}" python3 -m benchmarks.step_overhead --package "$pkg" \
+    --device cuda --prompt-tokens 512 --new-tokens 256 --batch "$levels" --out "$out" \
+    2>&1 | tee "$out/step.log"
+}
+http_part() {
+  date -u +"%T http" >&2
   timeout "${SWEEP_TIMEOUT:-420}" python3 -m benchmarks.serving_sweep --serve "$pkg" \
     --serve-args "--device cuda ${SERVE_ARGS:-}" --concurrency "$levels" --prompt-tokens 512 \
     --new-tokens 256 --ttft-prompt-tokens 2048 --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log"
-  ;;
+}
+case "${PART:-all}" in
+engine) engine_part ;;
+http) http_part ;;
+all) http_part; levels=${REF_LEVELS:-64,256} engine_part ;;
 esac

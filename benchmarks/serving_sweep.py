@@ -536,10 +536,28 @@ def warm_up(pool: ClientPool, base: ClientJob, num_procs: int) -> None:
         raise SweepError(f"warm-up request failed: {failed[0]}")
 
 
-def measure_level(pool: ClientPool, jobs: list, gpu: GpuSampler | None, server_pid) -> dict:
+def rank_wait_s(url: str, api_key: str) -> float | None:
+    """orbit_rank_wait_seconds_total from /metrics: rank 0 idle while the core planned its next
+    step (None from a server that does not export it)."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("orbit_rank_wait_seconds_total "):
+            return float(line.split()[1])
+    return None
+
+
+def measure_level(
+    pool: ClientPool, jobs: list, gpu: GpuSampler | None, server_pid, url: str, api_key: str
+) -> dict:
     cpu_before = process_tree(server_pid, skip_ranks=True) if server_pid else None
+    wait_before = rank_wait_s(url, api_key)
     records = pool.run(jobs)
     level, window = summarize_level(sum(job.streams for job in jobs), records)
+    wait_after = rank_wait_s(url, api_key)
+    if wait_before is not None and wait_after is not None and level.get("wall_s"):
+        # the share of the level's wall time the GPU waited for the core's next plan
+        level["rank_wait_frac"] = round((wait_after - wait_before) / level["wall_s"], 4)
     if server_pid:
         cpu_after = process_tree(server_pid, skip_ranks=True)
         tokens = level.get("output_tokens", 0)
@@ -572,7 +590,7 @@ def http_levels(args, levels: list[int], url: str, server_pid: int | None) -> tu
         for concurrency in levels:
             first_salt = REQUESTS_PER_STREAM * sum(levels[: len(results)])
             jobs = level_jobs(base, concurrency, num_procs, first_salt)
-            results.append(measure_level(pool, jobs, gpu, server_pid))
+            results.append(measure_level(pool, jobs, gpu, server_pid, url, args.api_key))
             progress = {k: v for k, v in results[-1].items() if k != "frontend_cpu"}
             print(json.dumps(progress), file=sys.stderr, flush=True)
         probe = None
@@ -631,6 +649,10 @@ def run_sweep(args) -> dict:
 # ---- output --------------------------------------------------------------------------------
 
 
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
 def _fmt(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
@@ -647,7 +669,7 @@ def print_report(report: dict) -> None:
     table = Table(title=f"{report['model']} at {report['url']}")
     for name in ("streams", "reqs", "failed", "tok/s", "req/s", "TTFT ms p50/90/99"):
         table.add_column(name, justify="right")
-    for name in ("ITL ms p50/90/99", "tok/chunk", "GPU busy", "CPU µs/tok"):
+    for name in ("ITL ms p50/90/99", "tok/chunk", "GPU busy", "waits plan", "CPU µs/tok"):
         table.add_column(name, justify="right")
     table.add_column("ranks only tok/s (HTTP/it)", justify="right")
     table.add_column("in-process tok/s (HTTP/it)", justify="right")
@@ -660,6 +682,7 @@ def print_report(report: dict) -> None:
             "/".join(_fmt(ttft.get(f"p{q}")) for q in PERCENTILES),
             "/".join(_fmt(itl.get(f"p{q}"), 2) for q in PERCENTILES),
             _fmt(level.get("tokens_per_chunk"), 2), "-" if busy is None else f"{busy:.0%}",
+            _share(level.get("rank_wait_frac")),
             _fmt(level.get("frontend_cpu", {}).get("us_per_token")),
             _reference(level, "ranks_only"), _reference(level, "in_process_core"),
         )  # fmt: skip

@@ -55,6 +55,7 @@ class Launched:
     tokens: torch.Tensor | None  # the rows' tokens on the runner's device (None: no rows)
     drawn: list[Sampled] | None  # set when sampled synchronously
     errors: dict[int, str] = field(default_factory=dict)  # row -> why its draw failed
+    idle_before_s: float = 0.0  # nothing was queued for this long before the launch
     host: torch.Tensor | None = None  # pinned copy of tokens, filled in stream order
     copied: torch.cuda.Event | None = None
     gpu_start: torch.cuda.Event | None = None
@@ -98,7 +99,10 @@ class StepExecutor:
         """A new frontend session: forget every sequence."""
         self.seqs.clear()
 
-    def launch(self, plan: wire_pb2.StepPlan, previous: Launched | None) -> Launched:
+    def launch(
+        self, plan: wire_pb2.StepPlan, previous: Launched | None, idle_before_s: float = 0.0
+    ) -> Launched:
+        """idle_before_s: how long the rank had nothing queued before this plan arrived."""
         started = time.perf_counter()
         for seq_id in plan.release_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -133,6 +137,7 @@ class StepExecutor:
             gpu_start.record()
         logits = self.runner.step(inputs) if inputs else None
         launched = Launched(plan.step_id, started, rows, None, None, gpu_start=gpu_start)
+        launched.idle_before_s = idle_before_s
         if rows:
             self._draw(launched, logits)
         return launched
@@ -200,6 +205,7 @@ class StepExecutor:
         if launched.gpu_start is not None and launched.copied is not None:
             result.gpu_s = launched.gpu_start.elapsed_time(launched.copied) / 1e3
         result.execute_s = time.perf_counter() - launched.started
+        result.idle_before_s = launched.idle_before_s
         return result
 
 

@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from runtime.curve import ClientKeys, secure_client
 from proto import wire_pb2
 from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig
 from ranks.startup import Phases, Watchdog
 from ranks.steps import Launched, StepExecutor
+from runtime.curve import ClientKeys, secure_client
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.layers import TPGroup
 from runtime.model import build_model
@@ -188,11 +188,12 @@ class Rank:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         pending: Launched | None = None
+        idle_since = time.perf_counter()  # when the last step was reported with none queued
         while True:
             if pending is not None:
                 if self.steps.ready(pending):  # always on the CPU path: report at once
                     self._report(pending)
-                    pending = None
+                    pending, idle_since = None, time.perf_counter()
                 elif poller.poll(0):
                     msg = self._recv()
                     if msg.WhichOneof("kind") == "step":
@@ -201,7 +202,7 @@ class Rank:
                         pending = launched
                         continue
                     self._report(pending)
-                    pending = None
+                    pending, idle_since = None, time.perf_counter()
                     if not self._control(msg):
                         return
                 else:
@@ -214,7 +215,7 @@ class Rank:
                 continue
             msg = self._recv()
             if msg.WhichOneof("kind") == "step":
-                pending = self.steps.launch(msg.step, None)
+                pending = self.steps.launch(msg.step, None, time.perf_counter() - idle_since)
             elif not self._control(msg):
                 return
 

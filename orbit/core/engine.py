@@ -128,6 +128,8 @@ class Engine:
         self._local_keys = itertools.count(1)
         self.steps = 0
         self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
+        # Time rank 0 sat with nothing queued while this engine was preparing the next step.
+        self.rank_wait_seconds = 0.0
         self._last_result_at = 0.0
         # Rank 0's (execute_s, gpu_s) of the latest steps, for benchmarks.
         self.recent_timings: deque[tuple[float, float]] = deque(maxlen=4096)
@@ -237,6 +239,9 @@ class Engine:
             f"orbit_steps_total {self.steps}",
             "# TYPE orbit_step_seconds_total counter",
             f"orbit_step_seconds_total {self.step_seconds:.6f}",
+            "# HELP orbit_rank_wait_seconds_total Rank 0 idle, waiting for a step being planned.",
+            "# TYPE orbit_rank_wait_seconds_total counter",
+            f"orbit_rank_wait_seconds_total {self.rank_wait_seconds:.6f}",
         ]
         return "\n".join(lines) + "\n"
 
@@ -311,7 +316,8 @@ class Engine:
 
     # ---- internals -------------------------------------------------------------------------
     async def _loop(self) -> None:
-        in_flight: deque[tuple[Step, asyncio.Future, float]] = deque()  # sent, oldest first
+        # (step, its future, sent at, whether another step was in flight when it was sent)
+        in_flight: deque[tuple[Step, asyncio.Future, float, bool]] = deque()
         try:
             while self._error is None:
                 if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
@@ -327,7 +333,7 @@ class Engine:
                     return
                 self._deliver(step, result)
         finally:
-            for step, fut, _ in in_flight:
+            for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
 
     def _check_serving(self) -> None:
@@ -349,7 +355,8 @@ class Engine:
             except Exception as e:  # this sequence alone fails
                 log.exception("planning sequence %d failed", chunk.seq.seq_id)
                 self._fail_sequence(chunk.seq, f"planning failed: {type(e).__name__}: {e}")
-        in_flight.append((step, self.link.submit(plan), time.perf_counter()))
+        busy = bool(in_flight)
+        in_flight.append((step, self.link.submit(plan), time.perf_counter(), busy))
         return True
 
     def _fail_sequence(self, seq: Sequence, why: str) -> None:
@@ -368,8 +375,10 @@ class Engine:
             owner.sink.deliver(outputs)
 
     async def _next_result(self, in_flight: deque) -> tuple[Step, wire_pb2.StepResult]:
-        step, fut, sent_at = in_flight.popleft()
+        step, fut, sent_at, busy = in_flight.popleft()
         result = await self.link.result(step.step_id, fut, self.config.step_timeout_s)
+        if busy:  # the ranks had work queued from here: any idle before this step was ours
+            self.rank_wait_seconds += result.idle_before_s
         now = time.perf_counter()
         # A step's time starts when it was sent or when the one before it answered, whichever
         # is later, so that the overlapping steps' times add up to the time spent stepping.

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
@@ -255,14 +256,23 @@ class _Call:
         head = {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
         return {**head, "choices": choices, **extra}
 
+    @cached_property
+    def _chunk_head(self) -> str:
+        """A chunk's JSON up to its choices, encoded once per call rather than per token."""
+        return _json(self.body(self.fmt.chunk_object, []))[: -len("[]}")]
+
     def chunk(self, choices: list[dict], **extra) -> str:
         if self.plan.include_usage:
             extra.setdefault("usage", None)  # as OpenAI: every chunk has usage, null but the last
-        return _sse(self.body(self.fmt.chunk_object, choices, **extra))
+        tail = "".join(f", {_json(k)}: {_json(v)}" for k, v in extra.items())
+        return f"data: {self._chunk_head}{_json(choices)}{tail}}}\n\n"
+
+
+_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
 
 
 def _sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_json(payload)}\n\n"
 
 
 @dataclass(frozen=True)

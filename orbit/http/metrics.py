@@ -1,6 +1,7 @@
 """A tiny Prometheus text-format registry (counters, gauges, fixed-bucket histograms) and the
 frontend's metrics. Everything runs on the event loop, so there is no locking."""
 
+import bisect
 import math
 import time
 from collections import deque
@@ -41,7 +42,7 @@ class Counter:
         self._values: dict[Labels, float] = {}
 
     def inc(self, amount: float = 1.0, **labels: str) -> None:
-        key = tuple(sorted(labels.items()))
+        key = tuple(sorted(labels.items())) if labels else ()
         self._values[key] = self._values.get(key, 0.0) + amount
 
     def value(self, **labels: str) -> float:
@@ -79,8 +80,7 @@ class Histogram:
         self.count = 0
 
     def observe(self, value: float) -> None:
-        index = next(i for i, bound in enumerate(self._bounds) if value <= bound)
-        self._counts[index] += 1
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
         self.count += 1
 
@@ -105,8 +105,13 @@ class RateWindow:
         self._total = 0
 
     def add(self, n: int) -> None:
-        self._events.append((self._clock(), n))
+        now = self._clock()
         self._total += n
+        if self._events and now - self._events[-1][0] < self._window_s / 100:
+            at, m = self._events[-1]  # events this close together share one entry
+            self._events[-1] = (at, m + n)
+            return
+        self._events.append((now, n))
         self._expire()
 
     def rate(self) -> float:
