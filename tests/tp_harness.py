@@ -55,10 +55,13 @@ def _greedy(runner, page_size: int, prompt: list[int], max_new: int, eos: set[in
     return first_logits, out_ids
 
 
-def _worker(rank, tp, port, package_dir, prompts, max_new, chunk, out_path):
+def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path):
     if tp > 1:
+        # A file store, not rank 0's TCPStore: with TCP, rank 0 could exit and take the store
+        # down while another rank was still tearing down, which aborted that rank in C++
+        # ("terminate called without an active exception") once in a CI run.
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=tp
         )
     torch.set_num_threads(1)
     runner, pkg = load_runner(package_dir, rank, num_pages=256)
@@ -70,6 +73,7 @@ def _worker(rank, tp, port, package_dir, prompts, max_new, chunk, out_path):
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     if tp > 1:
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -80,7 +84,7 @@ def run_tp(
     out = tmp / f"result-tp{tp}.json"
     mp.start_processes(
         _worker,
-        args=(tp, free_port(), str(package_dir), prompts, max_new, chunk, str(out)),
+        args=(tp, str(tmp / f"store-tp{tp}"), str(package_dir), prompts, max_new, chunk, str(out)),
         nprocs=tp,
         join=True,
         start_method="spawn",
