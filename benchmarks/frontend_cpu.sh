@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Issue 16's CPU item: the frontend processes' CPU time per streamed token at 32 concurrent
+# streams of a tiny model (--device cpu), this tree against an older one, on the same machine
+# and package. Run from the repository root:
+#   BASE=/path/to/older/checkout bash benchmarks/frontend_cpu.sh
+# BASE may also be a `git archive` tarball. Results under $OUT (default cpu-out): sweep-new.json,
+# sweep-base.json and the two summaries. Give it a machine with cores to spare (the ranks, the
+# clients and the frontend each want their own): on two cores they contend and the figure
+# measures the contention.
+set -euo pipefail
+out=${OUT:-cpu-out}
+mkdir -p "$out"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+base=${BASE:?BASE: an older checkout (directory or tarball)}
+if [ -f "$base" ]; then
+  mkdir "$work/base" && tar -xzf "$base" -C "$work/base" && base="$work/base"
+fi
+if [ -d .whl ]; then  # the openai client and what it needs, where the machine lacks them
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$work/site" .whl/*.whl && export PYTHONPATH=$work/site:${PYTHONPATH:-}
+fi
+tokenizer=${TOKENIZER:-}
+python3 - "$work" "$tokenizer" <<'EOF'
+import sys
+from pathlib import Path
+from tests.models import make_tiny_checkpoint, save_tokenizer
+work, tokenizer = Path(sys.argv[1]), sys.argv[2]
+if not tokenizer:
+    tokenizer = work / "tokenizer"
+    save_tokenizer(tokenizer)
+make_tiny_checkpoint("llama", work / "llama", Path(tokenizer))
+EOF
+python3 -m orbit prepare "$work/llama" --tp 1 --out "$work/pkg" >/dev/null
+load=(--concurrency 32 --prompt-tokens 16 --new-tokens 128 --client-procs 2 --vocab-size 4000
+  --gpu-busy off)
+serve_args="--device cpu --kv-pages 4096 --threads ${THREADS:-2}"
+python3 -m benchmarks.serving_sweep --serve "$work/pkg" --serve-args "$serve_args" "${load[@]}" \
+  --out "$out/sweep-new.json" 2>&1 | tail -12 | tee "$out/new.txt"
+port=$((20000 + RANDOM % 20000))
+(cd "$base" && exec setsid python3 -m orbit serve "$work/pkg" --port $port $serve_args) \
+  >"$out/base-serve.log" 2>&1 &
+pid=$!
+for _ in $(seq 1 240); do
+  curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+  sleep 0.5
+done
+python3 -m benchmarks.serving_sweep --url "http://127.0.0.1:$port" --server-pid $pid "${load[@]}" \
+  --out "$out/sweep-base.json" 2>&1 | tail -12 | tee "$out/base.txt"
+kill -TERM $pid
+wait $pid || true
