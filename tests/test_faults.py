@@ -119,8 +119,9 @@ def test_a_stopped_rank_is_killed_at_once_and_replaced(tp2_pkg):
             replaced_s = _wait_healthy(s, within_s=60)
             assert not alive(stopped)  # killed, not left stopped
             assert noticed_s < 10  # 5 s of silent heartbeats
-            # No wait for a shutdown the stopped rank cannot answer: start-up time only.
-            assert replaced_s < 12, replaced_s
+            # No wait for a shutdown the stopped rank cannot answer (that wait was ~15 s):
+            # about the server's own start-up time, which includes starting its ranks.
+            assert replaced_s < s.started_in_s + 5, (replaced_s, s.started_in_s)
             assert _complete(s).status_code == 200
         finally:
             if alive(stopped):
