@@ -131,8 +131,9 @@ def create_app(
     could not send the key for the schema they load. Generation responses name the API server
     that served them (`x-orbit-api-server`). Requests may name the model by `served_model_name`
     (the listed id) or any of `model_aliases`."""
-    frontend = _Frontend(engine, served_model_name, body_limits, metrics or FrontendMetrics())
-    frontend.model_names += tuple(model_aliases)
+    frontend = _Frontend(
+        engine, served_model_name, body_limits, metrics or FrontendMetrics(), model_aliases
+    )
     frontend.headers["x-orbit-api-server"] = str(server_index)
     docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if api_key else {}
     app = FastAPI(title="Orbit", version=__version__, **docs)
@@ -328,10 +329,11 @@ class _Frontend:
         model_name: str,
         body_limits: BodyLimits,
         metrics: FrontendMetrics,
+        model_aliases: tuple[str, ...] = (),
     ):
         self.engine = engine
         self.model_name = model_name  # the listed id, and the one responses carry
-        self.model_names: tuple[str, ...] = (model_name,)  # every id requests may use
+        self.model_names = (model_name, *model_aliases)  # every id requests may use
         self.body_limits = body_limits
         self.metrics = metrics
         self.headers: dict[str, str] = {}  # on every generation response
