@@ -184,6 +184,7 @@ def serve(
     from orbit.model_names import ModelNameError
     from orbit.serve_checks import EarlyChecks, ServeArgError, early_checks
 
+    api_key = _api_key(api_key, api_key_file, api_key_env)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)
@@ -210,7 +211,6 @@ def serve(
             package = default_package(cache_dir, device)
     except DefaultModelMissing as e:
         fail(str(e))
-    api_key = _api_key(api_key, api_key_file, api_key_env)
     opts = ServeOptions(
         package=package,
         host=host,
