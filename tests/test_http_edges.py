@@ -22,11 +22,12 @@ from tests.test_api_validation import (  # noqa: F401 - fixtures
 )
 
 ALIAS = "my-alias"
+SLASHED = "org/model-7b"  # Hugging Face style ids hold a slash
 
 
 @pytest.fixture
 def app(engine):
-    return create_app(engine, MODEL, metrics=engine.metrics, model_aliases=(ALIAS,))
+    return create_app(engine, MODEL, metrics=engine.metrics, model_aliases=(ALIAS, SLASHED))
 
 
 @pytest.fixture
@@ -50,7 +51,7 @@ async def openai_client(app):
 
 
 async def test_models_retrieve_by_id_or_alias_and_404_for_others(openai_client, client):
-    for name in (MODEL, ALIAS):
+    for name in (MODEL, ALIAS, SLASHED):
         model = await openai_client.models.retrieve(name)
         assert (model.id, model.object, model.owned_by) == (MODEL, "model", "orbit")
     listed = await openai_client.models.list()
@@ -74,7 +75,7 @@ async def test_schema_lists_every_accepted_model_id(client):
     schema = (await client.get("/openapi.json")).json()
     body = schema["paths"]["/v1/completions"]["post"]["requestBody"]
     model = body["content"]["application/json"]["schema"]["properties"]["model"]
-    assert [MODEL, ALIAS] in [m.get("enum") for m in model["anyOf"]]
+    assert [MODEL, ALIAS, SLASHED] in [m.get("enum") for m in model["anyOf"]]
 
 
 # ---- /health's 503 is not a request error ----
