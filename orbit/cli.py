@@ -335,6 +335,15 @@ def _run_cluster(make_coro, ctrl_c_ends: bool = False, live=None):
         fail("interrupted; whatever this command had started was stopped.", code=130)
 
 
+def _rank_log_level(level: str) -> str:
+    from orbit.serve_checks import ServeArgError, check_log_level
+
+    try:
+        return check_log_level(level)
+    except ServeArgError as e:
+        fail(str(e))
+
+
 def _cluster_package(package: Path | None, cluster: Path) -> Path:
     from orbit.cluster.config import ClusterConfigError, load_cluster_config
 
@@ -365,6 +374,9 @@ def up(
         float,
         typer.Option(help="Seconds a rank may take to join the TP group before it gives up."),
     ] = 120.0,
+    log_level: Annotated[
+        str, typer.Option(help="The ranks' log level: debug, info, warning or error.")
+    ] = "warning",
 ) -> None:
     """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
     are ready."""
@@ -379,6 +391,7 @@ def up(
         kv_cache_mb=kv_cache_mb,
         force=force,
         join_timeout_s=join_timeout,
+        log_level=_rank_log_level(log_level),
     )
     events = RichUpEvents(err)
     result = _run_cluster(lambda: run_up(cluster_toml, opts, events), live=events)

@@ -335,3 +335,40 @@ def test_rank_threads_leave_a_core_for_the_frontend(cores, tp, threads):
     assert default_rank_threads(cores, tp) == threads
     if cores > tp:  # a core is left to the engine core and the API servers
         assert default_rank_threads(cores, tp) * tp <= cores - 1
+
+
+# ---- orbit up --log-level: the cluster's ranks ----
+
+
+def _cluster_rank_argv(log_level: str) -> list[str]:
+    from orbit.cluster.config import HostConfig
+    from orbit.cluster.launch import rank_launch
+    from orbit.cluster.state import ClusterState, HostRecord
+
+    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
+    state = ClusterState(
+        "/c.toml", "/pkg", "d", "f", 1, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
+        (host,), (),
+    )  # fmt: skip
+    launch = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, log_level=log_level)
+    return [str(arg) for arg in launch.argv]
+
+
+def test_orbit_up_passes_the_log_level_to_its_ranks():
+    from ranks.config import RankConfig
+
+    argv = _cluster_rank_argv("info")
+    assert argv[1:3] == ["-m", "ranks"]
+    assert RankConfig.from_argv(argv[3:]).log_level == "info"
+    # The default adds nothing: ranks started before --log-level existed start the same way.
+    assert "--log-level" not in _cluster_rank_argv("warning")
+
+
+def test_orbit_up_log_level_changes_the_launch_fingerprint():
+    from orbit.cluster.config import parse_cluster_config
+    from orbit.cluster.up import UpOptions, launch_fingerprint
+
+    config = parse_cluster_config('package = "pkg"\n\n[[hosts]]\naddress = "gpu-a"\n')
+    default = launch_fingerprint(config, UpOptions())
+    assert launch_fingerprint(config, UpOptions(log_level="warning")) == default
+    assert launch_fingerprint(config, UpOptions(log_level="debug")) != default
