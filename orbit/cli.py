@@ -16,12 +16,30 @@ app = typer.Typer(
 err = Console(stderr=True)
 
 
+def _print_version(asked: bool) -> None:
+    """`orbit --version`: the release and the digest of the code that runs (as `orbit doctor`
+    compares hosts), then exit."""
+    if not asked:
+        return
+    from orbit.cluster.fingerprint_probe import code_digest
+    from runtime.version import __version__
+
+    print(f"orbit {__version__} (code {code_digest()[:12]})")
+    raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     state_dir: Annotated[
         Path | None,
         typer.Option(help="Where cluster state records live (default ~/.cache/orbit/clusters)."),
     ] = None,
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_print_version, is_eager=True, help="Print the version; exit."
+        ),
+    ] = False,
 ) -> None:
     """Orbit: prepare a model, bring a cluster up, serve an OpenAI-compatible API."""
     if state_dir is not None:
@@ -112,8 +130,25 @@ def serve(
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
     max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
-    threads: Annotated[int, typer.Option(help="torch threads per CPU rank; 0: cores / ranks.")] = 0,
-    model_name: Annotated[str, typer.Option(help="Name served at /v1/models.")] = "",
+    threads: Annotated[
+        int, typer.Option(help="torch threads per CPU rank; 0: (cores - 1) / ranks, at least 1.")
+    ] = 0,
+    model_name: Annotated[
+        str,
+        typer.Option(
+            help="Served model id; several comma-separated are aliases, the first is listed. "
+            "Default: the source name without .gguf and quantization tag."
+        ),
+    ] = "",
+    log_level: Annotated[
+        str, typer.Option(help="debug, info (one line per request), warning or error.")
+    ] = "warning",
+    chat_template: Annotated[
+        Path | None, typer.Option(help="A Jinja chat template file replacing the package's.")
+    ] = None,
+    max_model_len: Annotated[
+        int, typer.Option(help="Context length (prompt + output); 0: the package's.")
+    ] = 0,
     api_key: Annotated[
         str | None,
         typer.Option(help="Require this Bearer key (visible in ps; prefer the two below)."),
@@ -145,20 +180,28 @@ def serve(
     """Serve a package on this machine: its ranks plus the OpenAI-compatible HTTP API."""
     import logging
 
+    from orbit.core.listen import ListenError
+    from orbit.model_names import ModelNameError
+    from orbit.serve_checks import EarlyChecks, ServeArgError, early_checks
+
+    api_key = _api_key(api_key, api_key_file, api_key_env)
+    try:  # mistakes found in seconds, before anything heavy is imported or loaded
+        checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
+        log_level, template = early_checks(checks, chat_template, local=cluster is None)
+    except (ServeArgError, ModelNameError, ListenError) as e:
+        fail(str(e))
+
     import uvloop
 
-    from orbit.core.api_servers import ListenError
     from orbit.core.local_ranks import LocalRankOptions
     from orbit.default_model import DefaultModelMissing, default_package
-    from orbit.serve import ServeOptions
+    from orbit.serve import ServeError, ServeOptions
     from orbit.serve import serve as run_serve
     from runtime.package import PackageError
     from runtime.signing import SignatureError
 
-    if device not in ("cpu", "cuda"):
-        fail(f"--device must be cpu or cuda, not {device!r}.")
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s"
+        level=log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
     if cluster is not None:
         package = _cluster_package(package, cluster)
@@ -168,7 +211,6 @@ def serve(
             package = default_package(cache_dir, device)
     except DefaultModelMissing as e:
         fail(str(e))
-    api_key = _api_key(api_key, api_key_file, api_key_env)
     opts = ServeOptions(
         package=package,
         host=host,
@@ -180,7 +222,11 @@ def serve(
         max_queue=max_queue,
         cluster=cluster,
         api_servers=api_servers,
+        log_level=log_level,
+        chat_template=template,
+        max_model_len=max_model_len,
         ranks=LocalRankOptions(
+            log_level=log_level,
             device=device,
             kv_pages=kv_pages,
             kv_cache_mb=kv_cache_mb,
@@ -199,7 +245,7 @@ def serve(
         fail(f"--api-servers must be 0 (automatic) or more, not {api_servers}.")
     try:
         code = uvloop.run(run_serve(opts, on_ready=on_ready))
-    except (PackageError, SignatureError) as e:
+    except (PackageError, SignatureError, ServeError) as e:
         fail(str(e))
     except ListenError as e:
         fail(str(e))
@@ -289,6 +335,15 @@ def _run_cluster(make_coro, ctrl_c_ends: bool = False, live=None):
         fail("interrupted; whatever this command had started was stopped.", code=130)
 
 
+def _rank_log_level(level: str) -> str:
+    from orbit.serve_checks import ServeArgError, check_log_level
+
+    try:
+        return check_log_level(level)
+    except ServeArgError as e:
+        fail(str(e))
+
+
 def _cluster_package(package: Path | None, cluster: Path) -> Path:
     from orbit.cluster.config import ClusterConfigError, load_cluster_config
 
@@ -319,6 +374,9 @@ def up(
         float,
         typer.Option(help="Seconds a rank may take to join the TP group before it gives up."),
     ] = 120.0,
+    log_level: Annotated[
+        str, typer.Option(help="The ranks' log level: debug, info, warning or error.")
+    ] = "warning",
 ) -> None:
     """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
     are ready."""
@@ -333,6 +391,7 @@ def up(
         kv_cache_mb=kv_cache_mb,
         force=force,
         join_timeout_s=join_timeout,
+        log_level=_rank_log_level(log_level),
     )
     events = RichUpEvents(err)
     result = _run_cluster(lambda: run_up(cluster_toml, opts, events), live=events)

@@ -32,15 +32,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from orbit.core.api_link import ApiLink
-from orbit.core.api_servers import ApiServers, bind_http, default_api_servers
+from orbit.core.api_servers import ApiServers, default_api_servers
 from orbit.core.engine import Engine, EngineConfig, EngineError
 from orbit.core.generations import LocalGenerations
+from orbit.core.listen import bind_http
 from orbit.core.local_ranks import LocalRankOptions
 from orbit.core.rank_link import PackageMismatch, RankFailure
 from orbit.http.server import ApiServerConfig
+from orbit.model_names import served_model_ids
+from orbit.serve_checks import max_model_len_message
 from runtime.package import open_package
 
 log = logging.getLogger("orbit.serve")
+
+
+class ServeError(ValueError):
+    """A setting of `orbit serve` that does not fit the package."""
+
 
 # After the drain deadline, how long the cut streams get to send their error events.
 DRAIN_FLUSH_S = 0.5
@@ -52,7 +60,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     ranks: LocalRankOptions = field(default_factory=LocalRankOptions)
-    model_name: str = ""  # "": the package's source name
+    model_name: str = ""  # comma-separated ids, the listed one first; "": from the source name
     api_key: str | None = None
     api_servers: int = 0  # 0: default_api_servers() for this machine
     ready_timeout_s: float = 600.0
@@ -63,11 +71,15 @@ class ServeOptions:
     # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
     # ones (orbit/cluster/attach.py); `package` is then the one cluster.toml names.
     cluster: Path | None = None
+    log_level: str = "warning"  # of the API servers (the core's and ranks' are set by the CLI)
+    chat_template: str | None = None  # Jinja text that replaces the package's chat template
+    max_model_len: int = 0  # 0: the package's max_seq_len; else at most that
 
 
 async def serve(opts: ServeOptions, on_ready=None) -> int:
     """Run until a signal; returns the process exit code (1 when the ranks never got ready or
-    serve another package). Raises ListenError when the HTTP address cannot be bound."""
+    serve another package). Raises ListenError when the HTTP address cannot be bound, and
+    ServeError when --max-model-len exceeds the package's."""
     target = None
     if opts.cluster:
         from orbit.cluster.attach import cluster_target
@@ -76,9 +88,10 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     package = target.package if target else opts.package
     pkg = open_package(package, trusted_keys=_trusted(opts.trusted_keys))
     caps = pkg.capacities
+    max_seq_len = _max_seq_len(opts.max_model_len, caps.max_seq_len, package)
     engine = Engine(
         EngineConfig(
-            max_seq_len=caps.max_seq_len,
+            max_seq_len=max_seq_len,
             max_batch=caps.max_batch,
             page_size=caps.kv_page_size,
             max_step_tokens=caps.max_step_tokens,
@@ -91,13 +104,26 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     run_dir = Path(tempfile.mkdtemp(prefix="orbit-serve-"))  # owner-only
     api_link = ApiLink(engine, f"ipc://{run_dir}/core.sock", engine.metrics_text)
     api_link.start()
-    name = opts.model_name or pkg.manifest.source_name
-    config = ApiServerConfig(str(pkg.root), name, api_link.endpoint, opts.api_key)
+    name, *aliases = served_model_ids(opts.model_name, pkg.manifest.source_name)
+    config = ApiServerConfig(
+        str(pkg.root),
+        name,
+        api_link.endpoint,
+        opts.api_key,
+        log_level=opts.log_level,
+        model_aliases=tuple(aliases),
+        chat_template=opts.chat_template,
+        max_seq_len=max_seq_len,
+    )
     config.save(run_dir / "api-server.json")
     api_servers = ApiServers(
         opts.api_servers or default_api_servers(), run_dir / "api-server.json", listener, api_link
     )
     api_servers.start()
+    log.info(
+        "serving %s as %s (context %d tokens); starting its ranks",
+        pkg.root, ", ".join((name, *aliases)), max_seq_len,
+    )  # fmt: skip
     if target:
         from orbit.cluster.attach import ClusterGenerations
 
@@ -181,6 +207,7 @@ async def _supervise(engine: Engine, gens, opts: ServeOptions, stop, on_ready) -
                     stop.set()
                     return
                 continue
+            log.info("the ranks are ready: serving requests")
             if not gens.served and on_ready:
                 on_ready(engine)
             gens.served = True
@@ -204,6 +231,16 @@ async def _supervise(engine: Engine, gens, opts: ServeOptions, stop, on_ready) -
             gens.refused = True
             stop.set()
             return
+
+
+def _max_seq_len(max_model_len: int, package_max: int, package: Path) -> int:
+    """--max-model-len, checked against the package: it can lower the context, never raise it
+    (the package's KV layout and kernels were prepared for its own)."""
+    if max_model_len == 0:
+        return package_max
+    if not 2 <= max_model_len <= package_max:
+        raise ServeError(max_model_len_message(max_model_len, package_max, package))
+    return max_model_len
 
 
 def _trusted(paths: tuple[Path, ...]) -> list | None:

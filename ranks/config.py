@@ -24,6 +24,7 @@ class RankConfig:
     # Limit on joining the TP group and on the collectives check; past it the rank reports a
     # Failure naming the phase and exits (NCCL and gloo init cannot be aborted from inside).
     join_timeout_s: float = 120.0
+    log_level: str = "warning"  # debug, info, warning or error (orbit serve --log-level)
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
@@ -42,6 +43,9 @@ class RankConfig:
         p.add_argument("--trusted-key", action="append", default=[])
         p.add_argument("--curve-dir", default="")
         p.add_argument("--join-timeout-s", type=float, default=120.0)
+        p.add_argument(
+            "--log-level", choices=["debug", "info", "warning", "error"], default="warning"
+        )
         a = p.parse_args(argv)
         return cls(
             package=a.package,
@@ -58,4 +62,5 @@ class RankConfig:
             trusted_keys=tuple(a.trusted_key),
             curve_dir=a.curve_dir,
             join_timeout_s=a.join_timeout_s,
+            log_level=a.log_level,
         )

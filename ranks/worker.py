@@ -272,7 +272,8 @@ def rendezvous_store(dist_init: str, rank: int, tp_size: int, timeout: timedelta
 
 def main(cfg: RankConfig) -> int:
     logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s rank %(process)d %(levelname)s %(message)s"
+        level=cfg.log_level.upper(),
+        format=f"%(asctime)s rank-{cfg.rank} %(process)d %(levelname)s %(message)s",
     )
     rank = Rank(cfg)
     rank.start_heartbeats()

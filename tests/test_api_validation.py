@@ -170,7 +170,9 @@ COMPLETION_BAD = [
     ({"prompt": ""}, "prompt", "prompt must not be empty."),
     ({"prompt": []}, "prompt", None),
     ({"prompt": [[]]}, "prompt", None),
-    ({"prompt": ["a", "b"]}, "prompt", None),
+    ({"prompt": ["a"] * 65}, "prompt", None),  # a batch holds at most 64 prompts
+    ({"prompt": ["a"] * 8, "n": 9}, "n", None),  # and 64 choices
+    ({"prompt": ["a", ""]}, "prompt", None),
     ({"prompt": [1, "a"]}, "prompt", None),
     ({"prompt": [10**9]}, "prompt", None),
     ({"prompt": None}, "prompt", None),

@@ -93,6 +93,7 @@ class UpOptions:
     force: bool = False
     # Each rank's limit on joining the TP group and on the collectives check (its watchdog).
     join_timeout_s: float = 120.0
+    log_level: str = "warning"  # the ranks' logging level (orbit up --log-level)
 
 
 class UpEvents:
@@ -196,7 +197,9 @@ def launch_fingerprint(
         for h in config.hosts
     ]
     frontend = [config.frontend.address, list(config.frontend.port_range)]
-    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces)])
+    # The log level counts only when set: clusters brought up before it existed stay the same.
+    level = [opts.log_level] if opts.log_level != "warning" else []
+    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *level])
     return hashlib.sha256(data.encode()).hexdigest()
 
 
@@ -337,7 +340,7 @@ def _launches(
         launches[p.host_index].append(rank_launch(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
             opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
-            len(config.trusted_keys) if config.require_signature else 0,
+            len(config.trusted_keys) if config.require_signature else 0, opts.log_level,
         ))  # fmt: skip
     return launches
 

@@ -19,8 +19,21 @@ class LocalRankOptions:
     device: str = "cpu"
     kv_pages: int = 0
     kv_cache_mb: int = 512
-    threads: int = 0  # torch threads per CPU rank; 0: cores / ranks
+    threads: int = 0  # torch threads per CPU rank; 0: default_rank_threads()
+    log_level: str = "warning"  # the ranks' logging level
     trusted_keys: tuple[Path, ...] = ()  # passed on: ranks refuse packages not signed by one
+
+
+# Cores left to the engine core and the API servers (tokenizing, detokenizing, SSE) when the
+# machine has more cores than ranks: a rank's torch threads on every core starve them.
+FRONTEND_CORES = 1
+
+
+def default_rank_threads(num_cores: int, tp_size: int) -> int:
+    """torch threads per CPU rank: the cores left after FRONTEND_CORES, shared by the ranks;
+    at least one each."""
+    reserved = FRONTEND_CORES if num_cores > tp_size else 0
+    return max(1, (num_cores - reserved) // tp_size)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,7 +63,7 @@ class LocalRanks:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         dist_init = f"tcp://127.0.0.1:{free_port()}"
-        threads = self.opts.threads or max(1, (os.cpu_count() or 1) // self.tp_size)
+        threads = self.opts.threads or default_rank_threads(os.cpu_count() or 1, self.tp_size)
         for rank in range(self.tp_size):
             cmd = [
                 sys.executable,
@@ -77,6 +90,8 @@ class LocalRanks:
                 "--exit-with-parent",
                 "--curve-dir",
                 str(self.curve_dir),
+                "--log-level",
+                self.opts.log_level,
             ]
             for key in self.opts.trusted_keys:
                 cmd += ["--trusted-key", str(Path(key).resolve())]

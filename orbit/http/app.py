@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from orbit.http.access_log import AccessLogMiddleware, note_tokens
 from orbit.http.async_streams import close, merge, prepend
 from orbit.http.core_client import (
     CoreClient,
@@ -67,16 +68,17 @@ from orbit.http.openai_types import (
     GenerationPlan,
     PromptLimits,
     RequestModel,
-    build_plan,
+    build_batch_plan,
     chat_prompt,
     check_chat,
     check_completion,
-    completion_prompt,
+    completion_prompts,
     openapi_body,
     parse_request,
     usage,
 )
 from orbit.http.textstream import TextStream, TokenTexts
+from orbit.http.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from proto import core_pb2
 from runtime.version import __version__
 
@@ -97,6 +99,7 @@ MAX_ECHO_CHARS = 256  # of a client's value quoted in an error message
 SSE_DONE = "data: [DONE]\n\n"
 _ROUTES = frozenset(
     {"/health", "/version", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    | {"/tokenize", "/detokenize"}
 )
 T = TypeVar("T")
 Format = CompletionFormat | ChatFormat
@@ -120,19 +123,24 @@ def create_app(
     body_limits: BodyLimits = BodyLimits(),
     metrics: FrontendMetrics | None = None,
     server_index: int = 0,
+    model_aliases: tuple[str, ...] = (),
 ) -> FastAPI:
     """The HTTP app over the engine core's client (tests pass an in-test engine with the same
     interface). With `api_key`, every route but /health needs `Authorization: Bearer KEY`,
     /openapi.json included, and the interactive docs (/docs, /redoc) are off: a browser
     could not send the key for the schema they load. Generation responses name the API server
-    that served them (`x-orbit-api-server`)."""
-    frontend = _Frontend(engine, served_model_name, body_limits, metrics or FrontendMetrics())
+    that served them (`x-orbit-api-server`). Requests may name the model by `served_model_name`
+    (the listed id) or any of `model_aliases`."""
+    frontend = _Frontend(
+        engine, served_model_name, body_limits, metrics or FrontendMetrics(), model_aliases
+    )
     frontend.headers["x-orbit-api-server"] = str(server_index)
     docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if api_key else {}
     app = FastAPI(title="Orbit", version=__version__, **docs)
     install_error_handlers(app)
     app.add_exception_handler(_ClientGone, frontend.on_client_gone)
     app.add_middleware(RequestMetricsMiddleware, metrics=frontend.metrics, routes=_ROUTES)
+    app.add_middleware(AccessLogMiddleware)
     guard = [Depends(_bearer_check(api_key))] if api_key else []
     if api_key:
 
@@ -144,6 +152,15 @@ def create_app(
     app.add_api_route("/version", frontend.version, methods=["GET"], dependencies=guard)
     app.add_api_route("/metrics", frontend.metrics_text, methods=["GET"], dependencies=guard)
     app.add_api_route("/v1/models", frontend.models, methods=["GET"], dependencies=guard)
+    app.add_api_route(
+        "/v1/models/{model_id:path}", frontend.model, methods=["GET"], dependencies=guard
+    )
+    for path, handler, body in (
+        ("/tokenize", frontend.tokenize, TokenizeRequest),
+        ("/detokenize", frontend.detokenize, DetokenizeRequest),
+    ):
+        extra = frontend.openapi_body(body)
+        app.add_api_route(path, handler, methods=["POST"], dependencies=guard, openapi_extra=extra)
     app.add_api_route(
         "/v1/completions",
         frontend.completions,
@@ -312,9 +329,11 @@ class _Frontend:
         model_name: str,
         body_limits: BodyLimits,
         metrics: FrontendMetrics,
+        model_aliases: tuple[str, ...] = (),
     ):
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = model_name  # the listed id, and the one responses carry
+        self.model_names = (model_name, *model_aliases)  # every id requests may use
         self.body_limits = body_limits
         self.metrics = metrics
         self.headers: dict[str, str] = {}  # on every generation response
@@ -330,7 +349,7 @@ class _Frontend:
     def openapi_body(self, model_cls: type[RequestModel]) -> dict:
         """The request schema for /openapi.json: the routes parse their bodies themselves (to
         answer malformed input with 400, not 422), so FastAPI cannot infer it."""
-        return {"requestBody": openapi_body(model_cls, self.model_name, self.prompt_limits)}
+        return {"requestBody": openapi_body(model_cls, self.model_names, self.prompt_limits)}
 
     async def health(self) -> JSONResponse:
         if not self.engine.is_ready():
@@ -340,15 +359,32 @@ class _Frontend:
     async def version(self) -> JSONResponse:
         return JSONResponse({"version": __version__})
 
-    async def models(self) -> JSONResponse:
-        model = {
+    def _model_card(self) -> dict:
+        return {
             "id": self.model_name,
             "object": "model",
             "created": self.created,
             "owned_by": "orbit",
             "max_model_len": self.engine.max_seq_len,
         }
-        return JSONResponse({"object": "list", "data": [model]})
+
+    async def models(self) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, model_id: str) -> JSONResponse:
+        """One model by any id it is served under (OpenAI's models.retrieve)."""
+        self._check_model(model_id)
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        raw = await _read_body(request, self.body_limits)
+        args = (raw, self.engine.tokenizer, self.prompt_limits, self._check_model)
+        return JSONResponse(await self._lanes.run(len(raw), tokenize, *args))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        raw = await _read_body(request, self.body_limits)
+        args = (raw, self.engine.tokenizer, self.prompt_limits, self._check_model)
+        return JSONResponse(await self._lanes.run(len(raw), detokenize, *args))
 
     async def metrics_text(self) -> PlainTextResponse:
         try:  # every API server's HTTP metrics, summed, and the core's
@@ -365,21 +401,21 @@ class _Frontend:
     async def completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
-        req, prompt = await self._lanes.run(len(raw), self._completion_prompt, raw)
-        return await self._generate(request, req, prompt, CompletionFormat, started_s)
+        req, prompts = await self._lanes.run(len(raw), self._completion_prompts, raw)
+        return await self._generate(request, req, prompts, CompletionFormat, started_s)
 
     async def chat_completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
         req, prompt = await self._lanes.run(len(raw), self._chat_prompt, raw)
-        return await self._generate(request, req, prompt, ChatFormat, started_s)
+        return await self._generate(request, req, [prompt], ChatFormat, started_s)
 
-    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, _Prompt]:
+    def _completion_prompts(self, raw: bytes) -> tuple[CompletionRequest, list[_Prompt]]:
         req = parse_request(raw, CompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_completion(req)
-        prompt = completion_prompt(req, self.prompt_limits)
-        return req, (_Prompt(prompt, True) if isinstance(prompt, str) else prompt)
+        prompts = completion_prompts(req, self.prompt_limits)
+        return req, [_Prompt(p, True) if isinstance(p, str) else p for p in prompts]
 
     def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt]:
         req = parse_request(raw, ChatCompletionRequest, self.prompt_limits)
@@ -388,7 +424,7 @@ class _Frontend:
         return req, _Prompt(chat_prompt(req, self.engine.tokenizer, self.prompt_limits), False)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model not in self.model_names:
             name = model[:MAX_ECHO_CHARS]
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
@@ -404,15 +440,16 @@ class _Frontend:
         self,
         request: Request,
         req: OpenAIRequest,
-        prompt: _Prompt | list[int],
+        prompts: list[_Prompt | list[int]],
         format_cls,
         started_s: float,
     ) -> Response:
-        prompt_ids = await self._prompt_ids(prompt)
-        plan = build_plan(req, prompt_ids, self.engine.max_seq_len)
+        prompt_ids = [await self._prompt_ids(p) for p in prompts]
+        plan = build_batch_plan(req, prompt_ids, self.engine.max_seq_len)
         if not self.engine.is_ready():
             raise ServiceUnavailable("The engine is not ready.")
-        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        self.metrics.prompt_tokens.inc(plan.num_prompt_tokens)
+        note_tokens(request.state, tokens_in=plan.num_prompt_tokens)
         fmt = format_cls(self.token_texts, with_logprobs=plan.params[0].logprobs is not None)
         call = _Call(
             f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, fmt, plan
@@ -430,7 +467,8 @@ class _Frontend:
         the sequence."""
         plan = call.plan
         text_stream = TextStream(self.engine.tokenizer, plan.stop)
-        outputs = self.engine.generate(f"{call.id}-{index}", plan.prompt_ids, plan.params[index])
+        prompt_ids = plan.prompt_of(index)
+        outputs = self.engine.generate(f"{call.id}-{index}", prompt_ids, plan.params[index])
         timer = _TokenTimer(self.metrics, started_s)
         tokens: list[GeneratedToken] = []
         try:
@@ -460,8 +498,11 @@ class _Frontend:
             call.fmt.choice(i, r.text, r.tokens, r.finish_reason) for i, r in enumerate(results)
         ]
         completion_tokens = sum(len(r.tokens) for r in results)
+        note_tokens(request.state, tokens_out=completion_tokens)
         body = call.body(
-            call.fmt.object_name, choices, usage=usage(len(call.plan.prompt_ids), completion_tokens)
+            call.fmt.object_name,
+            choices,
+            usage=usage(call.plan.num_prompt_tokens, completion_tokens),
         )
         return JSONResponse(body, headers=self.headers)
 
@@ -471,11 +512,11 @@ class _Frontend:
         except (EngineError, RequestTooLarge) as exc:
             raise _engine_refusal(call.id, exc) from None
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self.headers}
-        events = self._sse_events(call, prepend(first, deltas))
+        events = self._sse_events(call, prepend(first, deltas), request.state)
         return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _sse_events(
-        self, call: _Call, deltas: AsyncIterator[ChoiceDelta]
+        self, call: _Call, deltas: AsyncIterator[ChoiceDelta], state
     ) -> AsyncIterator[str]:
         completion_tokens = 0
         ended = False
@@ -484,9 +525,10 @@ class _Frontend:
                 yield call.chunk([choice])
             async for d in deltas:
                 completion_tokens += len(d.tokens)
+                note_tokens(state, tokens_out=completion_tokens)
                 yield call.chunk([call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason)])
             if call.plan.include_usage:
-                yield call.chunk([], usage=usage(len(call.plan.prompt_ids), completion_tokens))
+                yield call.chunk([], usage=usage(call.plan.num_prompt_tokens, completion_tokens))
             ended = True
         except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an event
             ended = True

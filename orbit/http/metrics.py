@@ -160,8 +160,11 @@ class FrontendMetrics:
         )
 
     def observe_request(self, route: str, status: int) -> None:
+        """Every request counts by route and status; an error status counts as a request error
+        unless the client left (499) or it is /health's answer: its 503 says "not ready" (while
+        the ranks start, or after a failure), which /health exists to report."""
         self.requests.inc(route=route, status=str(status))
-        if status >= 400 and status != CLIENT_CLOSED_REQUEST:
+        if status >= 400 and status != CLIENT_CLOSED_REQUEST and route != "/health":
             self.errors.inc()
 
     def observe_tokens(self, since_previous_s: float, num_tokens: int, first: bool) -> None:

@@ -2,8 +2,9 @@
 
 Unknown request fields are ignored, as OpenAI does. Fields that would change the output in ways
 Orbit does not implement (echo, suffix, best_of, penalties, logit_bias, tools, JSON mode) are
-refused with a 400 rather than silently ignored. A batch of several prompts is refused too: send
-one prompt per request (a one-element list is accepted).
+refused with a 400 rather than silently ignored. /v1/completions takes a batch of prompts (a list
+of strings or of token-id lists): each prompt's n choices are indexed prompt_i * n + j, as
+OpenAI does, and usage counts every prompt.
 
 Validation knows the wire. Each numeric field has `Bounds`: what its protobuf and kernel types
 carry (top_k is a uint32, temperature and top_p float32, the seed 64 bits, logprobs int32) cut
@@ -34,6 +35,8 @@ from orbit.http.errors import (
 from orbit.http.textstream import TokenTexts
 
 MAX_CHOICES = 16
+MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
+MAX_BATCH_CHOICES = 64  # their choices, prompts x n
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20
@@ -122,12 +125,16 @@ StopList = Annotated[
 PromptText = Annotated[str, WithJsonSchema(_TEXT_SCHEMA)]
 PromptTexts = Annotated[
     list[str],
-    WithJsonSchema({"type": "array", "items": _TEXT_SCHEMA, "minItems": 1, "maxItems": 1}),
+    WithJsonSchema(
+        {"type": "array", "items": _TEXT_SCHEMA, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}
+    ),
 ]
 TokenIds = Annotated[list[int], WithJsonSchema(_TOKEN_IDS_SCHEMA)]
 TokenIdLists = Annotated[
     list[list[int]],
-    WithJsonSchema({"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": 1}),
+    WithJsonSchema(
+        {"type": "array", "items": _TOKEN_IDS_SCHEMA, "minItems": 1, "maxItems": MAX_BATCH_PROMPTS}
+    ),
 ]
 NoLogitBias = Annotated[dict[str, float], WithJsonSchema({"type": "object", "maxProperties": 0})]
 NoTools = Annotated[list, WithJsonSchema({"type": "array", "maxItems": 0})]
@@ -287,20 +294,32 @@ def _check_sizes(body: dict, limits: "PromptLimits") -> None:
         _check_stop_count(len(stop))
     _require(not body.get("logit_bias"), "logit_bias is not supported.", "logit_bias")
     prompt = body.get("prompt")
+    batch = [prompt]
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        msg = "batched prompts are not supported; send one prompt per request."
-        _require(len(prompt) == 1, msg, "prompt")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and len(prompt) >= limits.max_seq_len:  # token ids
-        raise context_length_error(limits.max_seq_len, len(prompt), "prompt")
+        _check_batch_size(len(prompt))
+        batch = prompt
+    for prompt in batch:
+        if isinstance(prompt, list) and len(prompt) >= limits.max_seq_len:  # token ids
+            raise context_length_error(limits.max_seq_len, len(prompt), "prompt")
 
 
-def openapi_body(model_cls: type[BaseModel], model_name: str, limits: "PromptLimits") -> dict:
+def _check_batch_size(num_prompts: int, n: int = 1) -> None:
+    msg = f"prompt may hold at most {MAX_BATCH_PROMPTS} prompts, got {num_prompts}."
+    _require(num_prompts <= MAX_BATCH_PROMPTS, msg, "prompt")
+    msg = f"a batch may ask for at most {MAX_BATCH_CHOICES} choices (prompts x n), got "
+    _require(num_prompts * n <= MAX_BATCH_CHOICES, f"{msg}{num_prompts * n}.", "n")
+
+
+def openapi_body(
+    model_cls: type[BaseModel], model_name: str | tuple[str, ...], limits: "PromptLimits"
+) -> dict:
     """The OpenAPI requestBody of a route taking `model_cls`, standalone (no $refs; the request
-    models have no recursive types) and filled in with what this server serves."""
+    models have no recursive types) and filled in with what this server serves (`model_name`:
+    its id, or every id it answers to)."""
     schema = model_cls.model_json_schema()
+    names = [model_name] if isinstance(model_name, str) else list(model_name)
     fills = {
-        "model": {"enum": [model_name]},
+        "model": {"enum": names},
         "max_tokens": {"maximum": limits.max_seq_len - 1},
         "prompt_tokens": {"maxItems": limits.max_seq_len - 1},
         "token_id": {"maximum": limits.vocab_size - 1},
@@ -333,11 +352,23 @@ def _fill(node, fills: dict[str, dict]):
 class GenerationPlan:
     """What one validated request asks of the engine."""
 
-    prompt_ids: list[int]
+    prompt_ids: list[int]  # the first prompt's, in a batch
     params: tuple[SamplingParams, ...]  # one per choice; seeds differ per choice
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    # A batch of prompts (/v1/completions): every prompt's ids; each has len(params) // len(batch)
+    # choices, in prompt order.
+    batch: tuple[list[int], ...] = ()
+
+    def prompt_of(self, choice: int) -> list[int]:
+        if not self.batch:
+            return self.prompt_ids
+        return self.batch[choice * len(self.batch) // len(self.params)]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(map(len, self.batch)) if self.batch else len(self.prompt_ids)
 
 
 def _require(ok: bool, message: str, param: str | None) -> None:
@@ -510,14 +541,18 @@ def _bpe_covers_all(model, pre: dict | None) -> bool:
     return model.unk_token is not None and not model.fuse_unk
 
 
-def completion_prompt(req: CompletionRequest, limits: PromptLimits) -> str | list[int]:
-    """The prompt: text to tokenize (special tokens added as the tokenizer does), or checked
-    token ids. Either is refused here if it cannot fit the context."""
+def completion_prompts(req: CompletionRequest, limits: PromptLimits) -> list[str | list[int]]:
+    """The prompts of a request, one unless it sent a batch: each is text to tokenize (special
+    tokens added as the tokenizer does), or checked token ids."""
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        msg = "batched prompts are not supported; send one prompt per request."
-        _require(len(prompt) == 1, msg, "prompt")
-        prompt = prompt[0]
+        _check_batch_size(len(prompt), req.n or 1)
+        return [_completion_prompt(p, limits) for p in prompt]
+    return [_completion_prompt(prompt, limits)]
+
+
+def _completion_prompt(prompt: str | list[int], limits: PromptLimits) -> str | list[int]:
+    """One prompt, refused here if it cannot fit the context."""
     _require(len(prompt) > 0, "prompt must not be empty.", "prompt")
     if isinstance(prompt, str):
         limits.check_text(prompt, "prompt")
@@ -572,6 +607,17 @@ def build_plan(
     params = tuple(dataclasses.replace(base, seed=choice_seed(req.seed, i)) for i in range(n))
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return GenerationPlan(prompt_ids, params, req.stop_strings(), bool(req.stream), include_usage)
+
+
+def build_batch_plan(
+    req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_seq_len: int
+) -> GenerationPlan:
+    """build_plan for each prompt of a batch, as one plan whose choices are prompt-major."""
+    plans = [build_plan(req, ids, max_seq_len) for ids in prompts]
+    if len(plans) == 1:
+        return plans[0]
+    params = tuple(p for plan in plans for p in plan.params)
+    return dataclasses.replace(plans[0], params=params, batch=tuple(prompts))
 
 
 def choice_seed(seed: int | None, index: int) -> int | None:

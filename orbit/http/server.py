@@ -34,10 +34,13 @@ class ApiServerConfig:
     """What every API server of one `orbit serve` shares; written by the core as JSON."""
 
     package: str
-    model_name: str
+    model_name: str  # the listed id
     core_endpoint: str
     api_key: str | None = None
     log_level: str = "warning"
+    model_aliases: tuple[str, ...] = ()  # further ids requests may use
+    chat_template: str | None = None  # Jinja text that replaces the package's (--chat-template)
+    max_seq_len: int = 0  # 0: the package's; else --max-model-len, at most the package's
 
     def save(self, path: Path) -> None:
         """Owner-only, written to a temporary name and renamed into place."""
@@ -49,7 +52,8 @@ class ApiServerConfig:
 
     @classmethod
     def load(cls, path: Path) -> ApiServerConfig:
-        return cls(**json.loads(Path(path).read_text()))
+        fields = json.loads(Path(path).read_text())
+        return cls(**{**fields, "model_aliases": tuple(fields.get("model_aliases", ()))})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,18 +82,25 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
 
     pkg = open_package(cfg.package)
     tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    if cfg.chat_template is not None:
+        tokenizer.chat_template = cfg.chat_template
     metrics = FrontendMetrics()
-    client = CoreClient(
-        cfg.core_endpoint, index, metrics.render, tokenizer, pkg.capacities.max_seq_len
-    )
+    max_seq_len = cfg.max_seq_len or pkg.capacities.max_seq_len
+    client = CoreClient(cfg.core_endpoint, index, metrics.render, tokenizer, max_seq_len)
     await client.start()
     app = create_app(
-        client, cfg.model_name, api_key=cfg.api_key, metrics=metrics, server_index=index
+        client,
+        cfg.model_name,
+        api_key=cfg.api_key,
+        metrics=metrics,
+        server_index=index,
+        model_aliases=cfg.model_aliases,
     )
     server = uvicorn.Server(
         uvicorn.Config(
             app,
             log_level="warning",
+            access_log=False,  # orbit.access writes one line per request (orbit/http/access_log.py)
             lifespan="off",
             # The drain happens in the core before it stops this server: what is left are idle
             # keep-alive connections and the cut streams' last events.
