@@ -75,8 +75,8 @@ def cached_package(
 
 
 def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bool = True) -> Path:
-    source = Path(source).resolve()
-    digest = source_digest(source, Path(cache_dir) / DIGESTS_NAME, progress)
+    source, cache_dir = Path(source).resolve(), Path(cache_dir).resolve()
+    digest = source_digest(source, cache_dir / DIGESTS_NAME, progress)
     fields = {
         "source_name": source.name,
         "source_sha256": digest,
@@ -90,7 +90,7 @@ def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bo
     }
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", source.stem if source.is_file() else source.name)
-    return Path(cache_dir) / "packages" / f"{stem}-tp{opts.tp}-{opts.dtype}-{key}"
+    return cache_dir / "packages" / f"{stem}-tp{opts.tp}-{opts.dtype}-{key}"
 
 
 def source_files(source: Path) -> list[Path]:
