@@ -73,6 +73,7 @@ def prepare(
     ] = None,
 ) -> None:
     """Turn a checkpoint into a TP-sharded package."""
+    _check_tp_fast(model, tp)
     from prepare.build import PrepareOptions, prepare_package
     from prepare.source import SourceError
     from runtime.layout import ShardingError
@@ -101,6 +102,17 @@ def main() -> None:
     app()
 
 
+def _check_tp_fast(source: Path, tp: int) -> None:
+    """A --tp that cannot split the model fails here, from its header, before weights are read."""
+    from prepare.source_header import check_source_tp
+    from runtime.layout import ShardingError
+
+    try:
+        check_source_tp(source, tp)
+    except ShardingError as e:
+        fail(str(e))
+
+
 @app.command()
 def keygen(
     key: Annotated[Path, typer.Argument(help="Where to write the private key; KEY.pub beside it.")],
@@ -118,7 +130,11 @@ def keygen(
 @app.command()
 def serve(
     package: Annotated[
-        Path | None, typer.Argument(help="A package directory; omit to serve the default model.")
+        Path | None,
+        typer.Argument(
+            help="A package, a Hugging Face model directory or a .gguf file (prepared into "
+            "--cache-dir once); omit to serve the default model."
+        ),
     ] = None,
     cluster: Annotated[
         Path | None,
@@ -174,10 +190,21 @@ def serve(
         typer.Option(help="HTTP API server processes; 0: one per four cores, 1 to 4."),
     ] = 0,
     cache_dir: Annotated[
-        Path, typer.Option(help="Where the default model's package is kept.")
+        Path, typer.Option(help="Where packages prepared from checkpoints are kept.")
     ] = Path.home() / ".cache" / "orbit",
+    tp: Annotated[int | None, typer.Option(help="Checkpoint: TP size to prepare (1).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="Checkpoint: dtype, as prepare.")] = None,
+    max_seq_len: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
+    max_batch: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
+    page_size: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
+    max_step_tokens: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
 ) -> None:
     """Serve a package on this machine: its ranks plus the OpenAI-compatible HTTP API."""
+    from orbit.serve_source import PrepareFlags
+
+    flags = PrepareFlags(tp, dtype, max_seq_len, max_batch, page_size, max_step_tokens)
+    if cluster is not None and flags.given():
+        fail("--tp, --dtype and the capacities come from cluster.toml's package; drop them.")
     import logging
 
     from orbit.core.listen import ListenError
@@ -190,11 +217,12 @@ def serve(
         log_level, template = early_checks(checks, chat_template, local=cluster is None)
     except (ServeArgError, ModelNameError, ListenError) as e:
         fail(str(e))
+    if cluster is None:  # after the checks above: preparing a checkpoint can take minutes
+        package = _served_package(package, cache_dir, flags)
 
     import uvloop
 
     from orbit.core.local_ranks import LocalRankOptions
-    from orbit.default_model import DefaultModelMissing, default_package
     from orbit.serve import ServeError, ServeOptions
     from orbit.serve import serve as run_serve
     from runtime.package import PackageError
@@ -205,12 +233,6 @@ def serve(
     )
     if cluster is not None:
         package = _cluster_package(package, cluster)
-    try:
-        if package is None:
-            err.print("preparing the default model (SmolLM2-135M-Instruct) if needed...")
-            package = default_package(cache_dir, device)
-    except DefaultModelMissing as e:
-        fail(str(e))
     opts = ServeOptions(
         package=package,
         host=host,
@@ -252,6 +274,31 @@ def serve(
     except _cluster_errors(cluster) as e:
         fail(_message(e))
     raise typer.Exit(code)
+
+
+def _say(line: str) -> None:
+    err.print(line, highlight=False, soft_wrap=True)
+
+
+def _served_package(package: Path | None, cache_dir: Path, flags) -> Path:
+    """orbit/serve_source.py: PACKAGE itself, or the package prepared from a checkpoint (or the
+    default model) in the cache; a wrong --tp fails from the header, before torch is imported."""
+    from orbit.default_model import DefaultModelMissing
+    from orbit.serve_source import ServeSourceError, served_package
+    from runtime.layout import ShardingError
+
+    try:
+        return served_package(package, cache_dir, flags, _say)
+    except (DefaultModelMissing, ServeSourceError, ShardingError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        fail("interrupted; the cache holds nothing half-written.", code=130)
+    except ValueError as e:
+        from prepare.source import SourceError  # imported late: it imports torch
+
+        if not isinstance(e, SourceError):
+            raise
+        fail(str(e))
 
 
 def _cluster_errors(cluster: Path | None) -> tuple[type[Exception], ...]:

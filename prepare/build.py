@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.progress import Progress
 
 from prepare.model_spec import model_spec_from_config, sliding_window_limit
+from prepare.options import PrepareOptions
 from prepare.shard import check_source_names, rank_tensors
 from prepare.source import Checkpoint, SourceError, open_checkpoint
 from proto import package_pb2
@@ -31,18 +31,6 @@ from runtime.package import (
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 from runtime.version import __version__
-
-
-@dataclass(frozen=True)
-class PrepareOptions:
-    tp: int = 1
-    dtype: str = "auto"  # "auto" keeps the checkpoint's dtype (float32 for GGUF)
-    max_seq_len: int = 0  # 0: min(the model's trained context, 4096)
-    max_batch: int = 64
-    kv_page_size: int = 16
-    max_step_tokens: int = 2048
-    force: bool = False
-    sign_key: Path | None = None  # Ed25519 private key: writes manifest.sig
 
 
 def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool = True) -> Path:

@@ -1,0 +1,19 @@
+"""The options of `orbit prepare`, importable without torch: the CLI checks them before any
+weights are read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class PrepareOptions:
+    tp: int = 1
+    dtype: str = "auto"  # "auto" keeps the checkpoint's dtype (float32 for GGUF)
+    max_seq_len: int = 0  # 0: min(the model's trained context, 4096)
+    max_batch: int = 64
+    kv_page_size: int = 16
+    max_step_tokens: int = 2048
+    force: bool = False
+    sign_key: Path | None = None  # Ed25519 private key: writes manifest.sig
