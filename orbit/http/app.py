@@ -76,7 +76,9 @@ from orbit.http.openai_types import (
     parse_request,
     usage,
 )
+from orbit.http.structured import response_schema
 from orbit.http.textstream import TextStream, TokenTexts
+from orbit.http.tool_calls import ChatOutput, chat_output, merge_deltas, parse_choice
 from proto import core_pb2
 from runtime.version import __version__
 
@@ -228,6 +230,7 @@ class ChoiceDelta:
     text: str
     tokens: list[GeneratedToken]
     finish_reason: str | None
+    tool_calls: tuple[dict, ...] = ()  # tool-call deltas (tool_calls.py)
 
 
 @dataclass
@@ -235,10 +238,12 @@ class _ChoiceResult:
     text: str = ""
     tokens: list[GeneratedToken] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.tokens += delta.tokens
+        self.tool_calls += delta.tool_calls
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
@@ -365,27 +370,33 @@ class _Frontend:
     async def completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
-        req, prompt = await self._lanes.run(len(raw), self._completion_prompt, raw)
-        return await self._generate(request, req, prompt, CompletionFormat, started_s)
+        req, prompt, output = await self._lanes.run(len(raw), self._completion_prompt, raw)
+        return await self._generate(request, req, prompt, CompletionFormat, started_s, output)
 
     async def chat_completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
-        req, prompt = await self._lanes.run(len(raw), self._chat_prompt, raw)
-        return await self._generate(request, req, prompt, ChatFormat, started_s)
+        req, prompt, output = await self._lanes.run(len(raw), self._chat_prompt, raw)
+        return await self._generate(request, req, prompt, ChatFormat, started_s, output)
 
-    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, _Prompt]:
+    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, _Prompt, ChatOutput]:
         req = parse_request(raw, CompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_completion(req)
+        output = ChatOutput(response_schema(req.response_format))
         prompt = completion_prompt(req, self.prompt_limits)
-        return req, (_Prompt(prompt, True) if isinstance(prompt, str) else prompt)
+        return req, (_Prompt(prompt, True) if isinstance(prompt, str) else prompt), output
 
-    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt]:
+    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt, ChatOutput]:
         req = parse_request(raw, ChatCompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_chat(req)
-        return req, _Prompt(chat_prompt(req, self.engine.tokenizer, self.prompt_limits), False)
+        output = chat_output(
+            req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls
+        )
+        tools = output.tools.tools if output.tools else ()
+        text = chat_prompt(req, self.engine.tokenizer, self.prompt_limits, tools)
+        return req, _Prompt(text, False), output
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -407,9 +418,10 @@ class _Frontend:
         prompt: _Prompt | list[int],
         format_cls,
         started_s: float,
+        output: ChatOutput,
     ) -> Response:
         prompt_ids = await self._prompt_ids(prompt)
-        plan = build_plan(req, prompt_ids, self.engine.max_seq_len)
+        plan = build_plan(req, prompt_ids, self.engine.max_seq_len, output.json_schema)
         if not self.engine.is_ready():
             raise ServiceUnavailable("The engine is not ready.")
         self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -418,6 +430,8 @@ class _Frontend:
             f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, fmt, plan
         )
         choices = [self._choice(call, i, started_s) for i in range(len(plan.params))]
+        if output.tools and output.tools.mode != "none":  # text -> content and tool calls
+            choices = [parse_choice(c, output.tools.parser()) for c in choices]
         deltas = choices[0] if len(choices) == 1 else merge(choices)
         if plan.stream:
             return await self._stream(request, call, deltas)
@@ -457,7 +471,8 @@ class _Frontend:
         except (EngineError, RequestTooLarge) as exc:
             raise _engine_refusal(call.id, exc) from None
         choices = [
-            call.fmt.choice(i, r.text, r.tokens, r.finish_reason) for i, r in enumerate(results)
+            call.fmt.choice(i, r.text, r.tokens, r.finish_reason, merge_deltas(r.tool_calls))
+            for i, r in enumerate(results)
         ]
         completion_tokens = sum(len(r.tokens) for r in results)
         body = call.body(
@@ -484,7 +499,8 @@ class _Frontend:
                 yield call.chunk([choice])
             async for d in deltas:
                 completion_tokens += len(d.tokens)
-                yield call.chunk([call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason)])
+                delta = call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason, d.tool_calls)
+                yield call.chunk([delta])
             if call.plan.include_usage:
                 yield call.chunk([], usage=usage(len(call.plan.prompt_ids), completion_tokens))
             ended = True
