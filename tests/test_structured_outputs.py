@@ -121,13 +121,13 @@ async def _ask_all(server, requests: list[dict]) -> list:
 
 
 def _request(server, schema: dict, **extra) -> dict:
-    return dict(
-        model=server.model,
-        messages=[{"role": "user", "content": PROMPT}],
-        response_format=_schema_format(schema),
-        max_tokens=120,
+    return {
+        "model": server.model,
+        "messages": [{"role": "user", "content": PROMPT}],
+        "response_format": _schema_format(schema),
+        "max_tokens": 120,
         **extra,
-    )
+    }
 
 
 def test_json_schema_answers_validate(server):
@@ -200,3 +200,20 @@ def test_an_unsupported_schema_is_a_400_naming_it(server):
     error = resp.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert "frobnicate" in error["message"]
+
+
+@pytest.mark.slow
+def test_tp3_ranks_agree_under_a_grammar(server, smollm2_path, package_cache):
+    """SmolLM2 (9 heads) at TP 3: each rank masks with its own matcher and draws its own token
+    for the next step's input. Were the ranks' masks or draws to differ, their inputs would and
+    the output would drift from TP 1's; greedy, it is TP 1's answer, and it validates."""
+    pkg = package_cache(smollm2_path, 3, max_batch=4, max_seq_len=512)
+    with ServerProcess(pkg, "--kv-cache-mb", "64") as tp3:
+        tp3.model = _client(tp3).models.list().data[0].id
+        got = _client(tp3).chat.completions.create(**_request(tp3, SCHEMAS[1], temperature=0))
+    expected = _client(server).chat.completions.create(
+        **_request(server, SCHEMAS[1], temperature=0)
+    )
+    content = got.choices[0].message.content
+    jsonschema.validate(json.loads(content), SCHEMAS[1])
+    assert content == expected.choices[0].message.content
