@@ -181,7 +181,7 @@ class StepExecutor:
     def _accept(self, launched: Launched) -> None:
         """Feed the step's tokens to their sequences' matchers, once; a token a matcher
         refuses fails that sequence alone."""
-        if launched.accepted or not launched.rows:
+        if launched.accepted or all(state.grammar is None for _, state, _ in launched.rows):
             return
         launched.accepted = True
         for i, ((_, state, pos), token) in enumerate(zip(launched.rows, self._token_ids(launched))):

@@ -152,6 +152,8 @@ class GrammarMasks:
                 g.matcher.fill_next_token_bitmask(self._host, i)
         dev = self._dev[:n]
         if dev is not host:
+            # Safe to refill the host rows next step: the rank reads this step's samples back
+            # (ranks/steps.py) before it masks again, and this copy precedes them on the stream.
             dev.copy_(host, non_blocking=True)
         apply_bitmask(logits, dev)
 

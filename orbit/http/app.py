@@ -78,7 +78,7 @@ from orbit.http.openai_types import (
 )
 from orbit.http.structured import response_schema
 from orbit.http.textstream import TextStream, TokenTexts
-from orbit.http.tool_calls import ChatOutput, chat_output, merge_deltas, parse_choice
+from orbit.http.tool_calls import OutputConstraints, chat_output, merge_deltas, parse_choice
 from proto import core_pb2
 from runtime.version import __version__
 
@@ -379,15 +379,17 @@ class _Frontend:
         req, prompt, output = await self._lanes.run(len(raw), self._chat_prompt, raw)
         return await self._generate(request, req, prompt, ChatFormat, started_s, output)
 
-    def _completion_prompt(self, raw: bytes) -> tuple[CompletionRequest, _Prompt, ChatOutput]:
+    def _completion_prompt(
+        self, raw: bytes
+    ) -> tuple[CompletionRequest, _Prompt, OutputConstraints]:
         req = parse_request(raw, CompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_completion(req)
-        output = ChatOutput(response_schema(req.response_format))
+        output = OutputConstraints(response_schema(req.response_format))
         prompt = completion_prompt(req, self.prompt_limits)
         return req, (_Prompt(prompt, True) if isinstance(prompt, str) else prompt), output
 
-    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt, ChatOutput]:
+    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt, OutputConstraints]:
         req = parse_request(raw, ChatCompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_chat(req)
@@ -418,7 +420,7 @@ class _Frontend:
         prompt: _Prompt | list[int],
         format_cls,
         started_s: float,
-        output: ChatOutput,
+        output: OutputConstraints,
     ) -> Response:
         prompt_ids = await self._prompt_ids(prompt)
         plan = build_plan(req, prompt_ids, self.engine.max_seq_len, output.json_schema)

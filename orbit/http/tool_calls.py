@@ -385,8 +385,8 @@ async def parse_choice(deltas: AsyncIterator, parser: ToolCallParser) -> AsyncIt
 
 
 @dataclass(frozen=True)
-class ChatOutput:
-    """What a chat request's response_format and tools make of its output."""
+class OutputConstraints:
+    """What a request's response_format (and, in chat, its tools) make of its output."""
 
     json_schema: str | None = None  # decoding is constrained to it
     tools: ToolPlan | None = None
@@ -394,7 +394,7 @@ class ChatOutput:
 
 def chat_output(
     response_format: object, tools: object, tool_choice: object, parallel
-) -> ChatOutput:
+) -> OutputConstraints:
     """Check response_format, tools and tool_choice together (BadRequest names the field)."""
     plan = tool_plan(tools, tool_choice, parallel)
     schema = response_schema(response_format)
@@ -402,4 +402,4 @@ def chat_output(
         msg = "response_format cannot be combined with a required or named tool_choice."
         _require(schema is None, msg, "response_format")
         schema = plan.json_schema
-    return ChatOutput(schema, plan)
+    return OutputConstraints(schema, plan)
