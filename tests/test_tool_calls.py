@@ -222,3 +222,30 @@ def test_tool_choice_naming_an_unknown_function_is_a_400(server):
     with pytest.raises(openai.BadRequestError) as err:
         _ask(server, tool_choice={"type": "function", "function": {"name": "launch"}})
     assert err.value.body["param"] == "tool_choice.function.name"
+
+
+# ---- the prompt ---------------------------------------------------------------------------
+
+
+def _rendered(tokenizer, template: str | None) -> str:
+    from orbit.http.openai_types import ChatCompletionRequest, PromptLimits, chat_prompt
+    from orbit.http.tool_calls import tool_plan
+
+    if template is not None:
+        tokenizer.chat_template = template
+    req = ChatCompletionRequest.model_validate({"messages": QUESTION, "tools": TOOLS})
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    return chat_prompt(req, tokenizer, PromptLimits.of(tokenizer, 4096), plan.tools)
+
+
+def test_tools_reach_the_template_or_orbits_system_message(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    # SmolLM2's template ignores tools: Orbit's Hermes-style system message lists them.
+    text = _rendered(tokenizer, None)
+    assert "<tool_call>" in text and json.dumps(TOOLS[1]) in text
+    assert text.index("<tools>") < text.index(QUESTION[0]["content"])
+    # A template that renders tools gets them, and no system message of Orbit's.
+    own = "{% for t in tools %}[{{ t.function.name }}]{% endfor %}{{ messages[0].content }}"
+    assert _rendered(tokenizer, own) == "[get_weather][get_time]" + QUESTION[0]["content"]
