@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from orbit.http.tool_calls import ToolCallParser, merge_deltas
+from orbit.http.tool_parser import ToolCallParser, merge_deltas
 from tests.server import ServerProcess
 
 WEATHER = {

@@ -78,7 +78,8 @@ from orbit.http.openai_types import (
 )
 from orbit.http.structured import response_schema
 from orbit.http.textstream import TextStream, TokenTexts
-from orbit.http.tool_calls import OutputConstraints, chat_output, merge_deltas, parse_choice
+from orbit.http.tool_calls import OutputConstraints, chat_output
+from orbit.http.tool_parser import merge_deltas, parse_choice
 from proto import core_pb2
 from runtime.version import __version__
 
