@@ -16,6 +16,13 @@ Every rank draws every sampling row (all ranks hold the same logits; draws are s
 (seed, position)), so each can feed its own samples; only rank 0 reports them, and only rank 0
 computes logprobs. A step in which a row asks for logprobs is sampled synchronously.
 
+A sequence with a grammar (structured output, runtime/grammar.py) has its logits masked before
+the draw, which needs its matcher to have consumed every earlier sample. So a step with a
+constrained row first makes sure the previous step's tokens were accepted (`_accept`): the model
+of this step is already queued when the rank waits for them, so on a GPU the forward runs while
+the host reads the previous samples and fills the masks. Tokens are accepted once per step, in
+`_accept`, called from the next launch or from finish, whichever comes first.
+
 A draw that raises fails only its own sequence: the batch is drawn again row by row, a row
 that still fails gets token 0 and an error in its Sample, and the frontend ends that sequence.
 Every rank runs the same code on the same logits, so all agree on which rows failed.
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import wire_pb2
+from runtime.grammar import GrammarMasks, SeqGrammar
 from runtime.runner import SeqInput
 from runtime.sampling import Sampled, SamplingParams
 
@@ -43,6 +51,8 @@ class SeqState:
     sampling: SamplingParams
     pages: list[int] = field(default_factory=list)
     last_token: int | None = None  # this rank's latest finished sample: what follows_sample feeds
+    grammar: SeqGrammar | None = None  # the output's matcher, for a constrained sequence
+    error: str = ""  # why its grammar failed to compile: each of its samples reports it
 
 
 @dataclass
@@ -59,6 +69,7 @@ class Launched:
     host: torch.Tensor | None = None  # pinned copy of tokens, filled in stream order
     copied: torch.cuda.Event | None = None
     gpu_start: torch.cuda.Event | None = None
+    accepted: bool = False  # the rows' tokens went into their grammar matchers
 
     def __post_init__(self) -> None:
         # A scan of rows per follows_sample row of the next step would be quadratic in batch.
@@ -82,10 +93,13 @@ class StepExecutor:
         sample: SampleFn,
         sample_tokens: TokensFn | None,
         max_batch: int,
+        grammars: GrammarMasks | None = None,
     ):
         """sample: draws and reads the tokens back (runtime/sampling.py or cuda_sampling.py);
-        sample_tokens: CUDA only, draws leaving the tokens on the device."""
+        sample_tokens: CUDA only, draws leaving the tokens on the device; grammars: masks for
+        constrained sequences (None: a plan with a grammar fails the rank)."""
         self.runner, self.rank, self.device = runner, rank, device
+        self.grammars = grammars
         self.sample, self.sample_tokens = sample, sample_tokens
         self.seqs: dict[int, SeqState] = {}
         self.cuda = device.type == "cuda"
@@ -107,17 +121,8 @@ class StepExecutor:
         for seq_id in plan.release_seq_ids:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
-            p = new.sampling
-            self.seqs[new.seq_id] = SeqState(
-                SamplingParams(
-                    temperature=p.temperature,
-                    top_p=p.top_p,
-                    top_k=p.top_k,
-                    seed=p.seed,
-                    num_logprobs=p.num_logprobs,
-                )
-            )
-        inputs, rows, feeds = [], [], False
+            self.seqs[new.seq_id] = self._new_state(new.sampling)
+        inputs, rows, feeds, errors = [], [], False, {}
         for s in plan.seqs:
             state = self.seqs[s.seq_id]
             state.pages.extend(s.new_pages)
@@ -126,9 +131,13 @@ class StepExecutor:
                 token_ids, feeds = [0], True
             else:
                 token_ids = _input_tokens(s, state)
+                if state.grammar is not None and s.token_ids:
+                    state.grammar.replay(list(s.token_ids), s.start_pos)
             inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row))
             if s.sample:
                 rows.append((s.seq_id, state, s.start_pos + len(token_ids)))
+                if state.error:
+                    errors[len(rows) - 1] = state.error
         if feeds:
             self.runner.feed(previous.tokens)
         gpu_start = None
@@ -136,11 +145,58 @@ class StepExecutor:
             gpu_start = torch.cuda.Event(enable_timing=True)
             gpu_start.record()
         logits = self.runner.step(inputs) if inputs else None
-        launched = Launched(plan.step_id, started, rows, None, None, gpu_start=gpu_start)
+        launched = Launched(plan.step_id, started, rows, None, None, errors, gpu_start=gpu_start)
         launched.idle_before_s = idle_before_s
         if rows:
+            if any(state.grammar is not None for _, state, _ in rows):
+                self._mask(launched, logits, previous)
             self._draw(launched, logits)
+            if launched.drawn is not None:
+                self._accept(launched)
         return launched
+
+    def _new_state(self, p: wire_pb2.SamplingParams) -> SeqState:
+        params = SamplingParams(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed,
+            num_logprobs=p.num_logprobs,
+        )
+        if not p.HasField("grammar"):
+            return SeqState(params)
+        if self.grammars is None:
+            raise ValueError("step plan: a sequence has a grammar, but this rank has no masks")
+        try:
+            return SeqState(params, grammar=self.grammars.start(p.grammar))
+        except ValueError as e:  # fails this sequence, not the rank
+            return SeqState(params, error=f"grammar: {e}")
+
+    def _mask(self, launched: Launched, logits: torch.Tensor, previous: Launched | None) -> None:
+        """Mask the constrained rows once their matchers consumed every earlier sample."""
+        if previous is not None:
+            self._accept(previous)
+        self.grammars.mask(logits, [state.grammar for _, state, _ in launched.rows])
+
+    def _accept(self, launched: Launched) -> None:
+        """Feed the step's tokens to their sequences' matchers, once; a token a matcher
+        refuses fails that sequence alone."""
+        if launched.accepted or all(state.grammar is None for _, state, _ in launched.rows):
+            return
+        launched.accepted = True
+        for i, ((_, state, pos), token) in enumerate(zip(launched.rows, self._token_ids(launched))):
+            if state.grammar is None or i in launched.errors:
+                continue
+            try:
+                state.grammar.accept(token, pos)
+            except ValueError as e:
+                launched.errors[i] = str(e)
+
+    def _token_ids(self, launched: Launched) -> list[int]:
+        if launched.drawn is not None:
+            return [d.token_id for d in launched.drawn]
+        launched.copied.synchronize()
+        return launched.host.tolist()
 
     def _draw(self, launched: Launched, logits: torch.Tensor) -> None:
         params = [state.sampling for _, state, _ in launched.rows]
@@ -185,10 +241,10 @@ class StepExecutor:
 
     def finish(self, launched: Launched) -> wire_pb2.StepResult:
         result = wire_pb2.StepResult(step_id=launched.step_id, rank=self.rank)
+        self._accept(launched)
         drawn = launched.drawn
         if drawn is None and launched.rows:
-            launched.copied.synchronize()
-            drawn = [Sampled(t, float("nan"), ()) for t in launched.host.tolist()]
+            drawn = [Sampled(t, float("nan"), ()) for t in self._token_ids(launched)]
         for i, ((seq_id, state, _), d) in enumerate(zip(launched.rows, drawn or [])):
             state.last_token = d.token_id
             if self.rank == 0:

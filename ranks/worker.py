@@ -25,6 +25,7 @@ from ranks.config import RankConfig
 from ranks.startup import Phases, Watchdog
 from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
+from runtime.grammar import GrammarMasks
 from runtime.kv_cache import KVCache, KVCacheShape
 from runtime.layers import TPGroup
 from runtime.model import build_model
@@ -87,7 +88,7 @@ class Rank:
         with self.watchdog.watch(wire_pb2.PHASE_JOIN_GROUP):
             group = self._join_group()
         runner, num_pages = self._load(pkg, group)
-        self.steps = self._executor(runner, pkg.capacities.max_batch)
+        self.steps = self._executor(runner, pkg)
         phases.enter(wire_pb2.PHASE_COLLECTIVES_CHECK)
         with self.watchdog.watch(wire_pb2.PHASE_COLLECTIVES_CHECK):
             check = self._check_collectives(pkg)
@@ -98,6 +99,7 @@ class Rank:
             self.ready.MergeFrom(wire_pb2.Ready(**dataclasses.asdict(check)))
         phases.current = wire_pb2.PHASE_UNSPECIFIED
         self.send(ready=self.ready)
+        self.steps.grammars.warm_async()
 
     def _join_group(self) -> TPGroup:
         cfg = self.cfg
@@ -143,7 +145,15 @@ class Rank:
         runner.capture()
         return runner, runner.kv_plan.num_pages
 
-    def _executor(self, runner, max_batch: int) -> StepExecutor:
+    def _executor(self, runner, pkg: Package) -> StepExecutor:
+        max_batch = pkg.capacities.max_batch
+        grammars = GrammarMasks(
+            pkg.tokenizer_dir,
+            list(pkg.manifest.tokenizer.eos_token_ids),
+            pkg.spec.padded_vocab_size,
+            max_batch,
+            self.device,
+        )
         if self.cfg.device == "cuda":
             from runtime import cuda_sampling
 
@@ -154,8 +164,9 @@ class Rank:
                 cuda_sampling.sample,
                 cuda_sampling.sample_tokens,
                 max_batch,
+                grammars,
             )
-        return StepExecutor(runner, self.cfg.rank, self.device, sample, None, max_batch)
+        return StepExecutor(runner, self.cfg.rank, self.device, sample, None, max_batch, grammars)
 
     def _check_collectives(self, pkg: Package) -> CollectivesCheck | None:
         if self.cfg.tp_size == 1:

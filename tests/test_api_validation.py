@@ -218,7 +218,7 @@ async def test_completions_bad_input_is_400(client, engine, body, param, message
 CHAT_BAD = [
     ({"messages": None}, "messages"),
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (
@@ -233,8 +233,15 @@ CHAT_BAD = [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
-    ({"tools": [{"type": "function"}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}},
+        "response_format.json_schema.schema",
+    ),
     ({"temperature": float("nan")}, "temperature"),
 ]
 
@@ -251,7 +258,7 @@ FIELDS = [
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "top_k", "seed", "stop", "n", "stream", "stream_options", "logprobs", "top_logprobs", "echo",
     "presence_penalty", "frequency_penalty", "logit_bias", "user", "ignore_eos", "best_of",
-    "suffix", "tools", "response_format",
+    "suffix", "tools", "response_format", "tool_choice", "parallel_tool_calls",
 ]  # fmt: skip
 ODD_VALUES = [None, -1, 0, 10**30, -(10**30), 1.5, "x", "", True, [], {}, [[[]]], {"a": [1]}, "∞"]
 

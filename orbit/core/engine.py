@@ -158,6 +158,8 @@ class Engine:
             raise Refused(core_pb2.ERROR_TOO_LARGE, "the prompt is empty")
         if key in sink.live:
             raise Refused(core_pb2.ERROR_TOO_LARGE, f"sequence key {key} is already in use")
+        if sampling.HasField("grammar"):  # the ranks' matchers consume the tokens after it
+            sampling.grammar.num_prompt_tokens = len(prompt_ids)
         seq = Sequence(
             seq_id=next(self._seq_ids),
             prompt_ids=list(prompt_ids),

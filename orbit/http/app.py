@@ -77,8 +77,11 @@ from orbit.http.openai_types import (
     parse_request,
     usage,
 )
+from orbit.http.structured import response_schema
 from orbit.http.textstream import TextStream, TokenTexts
 from orbit.http.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from orbit.http.tool_calls import OutputConstraints, chat_output
+from orbit.http.tool_parser import merge_deltas, parse_choice
 from proto import core_pb2
 from runtime.version import __version__
 
@@ -245,6 +248,7 @@ class ChoiceDelta:
     text: str
     tokens: list[GeneratedToken]
     finish_reason: str | None
+    tool_calls: tuple[dict, ...] = ()  # tool-call deltas (tool_calls.py)
 
 
 @dataclass
@@ -252,10 +256,12 @@ class _ChoiceResult:
     text: str = ""
     tokens: list[GeneratedToken] = field(default_factory=list)
     finish_reason: str | None = None
+    tool_calls: list[dict] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
         self.tokens += delta.tokens
+        self.tool_calls += delta.tool_calls
         self.finish_reason = delta.finish_reason or self.finish_reason
 
 
@@ -401,27 +407,35 @@ class _Frontend:
     async def completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
-        req, prompts = await self._lanes.run(len(raw), self._completion_prompts, raw)
-        return await self._generate(request, req, prompts, CompletionFormat, started_s)
+        req, prompts, output = await self._lanes.run(len(raw), self._completion_prompts, raw)
+        return await self._generate(request, req, prompts, CompletionFormat, started_s, output)
 
     async def chat_completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
-        req, prompt = await self._lanes.run(len(raw), self._chat_prompt, raw)
-        return await self._generate(request, req, [prompt], ChatFormat, started_s)
+        req, prompt, output = await self._lanes.run(len(raw), self._chat_prompt, raw)
+        return await self._generate(request, req, [prompt], ChatFormat, started_s, output)
 
-    def _completion_prompts(self, raw: bytes) -> tuple[CompletionRequest, list[_Prompt]]:
+    def _completion_prompts(
+        self, raw: bytes
+    ) -> tuple[CompletionRequest, list[_Prompt | list[int]], OutputConstraints]:
         req = parse_request(raw, CompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_completion(req)
+        output = OutputConstraints(response_schema(req.response_format))
         prompts = completion_prompts(req, self.prompt_limits)
-        return req, [_Prompt(p, True) if isinstance(p, str) else p for p in prompts]
+        return req, [_Prompt(p, True) if isinstance(p, str) else p for p in prompts], output
 
-    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt]:
+    def _chat_prompt(self, raw: bytes) -> tuple[ChatCompletionRequest, _Prompt, OutputConstraints]:
         req = parse_request(raw, ChatCompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_chat(req)
-        return req, _Prompt(chat_prompt(req, self.engine.tokenizer, self.prompt_limits), False)
+        output = chat_output(
+            req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls
+        )
+        tools = output.tools.tools if output.tools else ()
+        text = chat_prompt(req, self.engine.tokenizer, self.prompt_limits, tools)
+        return req, _Prompt(text, False), output
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -443,9 +457,10 @@ class _Frontend:
         prompts: list[_Prompt | list[int]],
         format_cls,
         started_s: float,
+        output: OutputConstraints,
     ) -> Response:
         prompt_ids = [await self._prompt_ids(p) for p in prompts]
-        plan = build_batch_plan(req, prompt_ids, self.engine.max_seq_len)
+        plan = build_batch_plan(req, prompt_ids, self.engine.max_seq_len, output.json_schema)
         if not self.engine.is_ready():
             raise ServiceUnavailable("The engine is not ready.")
         self.metrics.prompt_tokens.inc(plan.num_prompt_tokens)
@@ -455,6 +470,8 @@ class _Frontend:
             f"{fmt.id_prefix}-{uuid.uuid4().hex}", int(time.time()), self.model_name, fmt, plan
         )
         choices = [self._choice(call, i, started_s) for i in range(len(plan.params))]
+        if output.tools and output.tools.mode != "none":  # text -> content and tool calls
+            choices = [parse_choice(c, output.tools.parser()) for c in choices]
         deltas = choices[0] if len(choices) == 1 else merge(choices)
         if plan.stream:
             return await self._stream(request, call, deltas)
@@ -495,7 +512,8 @@ class _Frontend:
         except (EngineError, RequestTooLarge) as exc:
             raise _engine_refusal(call.id, exc) from None
         choices = [
-            call.fmt.choice(i, r.text, r.tokens, r.finish_reason) for i, r in enumerate(results)
+            call.fmt.choice(i, r.text, r.tokens, r.finish_reason, merge_deltas(r.tool_calls))
+            for i, r in enumerate(results)
         ]
         completion_tokens = sum(len(r.tokens) for r in results)
         note_tokens(request.state, tokens_out=completion_tokens)
@@ -526,7 +544,8 @@ class _Frontend:
             async for d in deltas:
                 completion_tokens += len(d.tokens)
                 note_tokens(state, tokens_out=completion_tokens)
-                yield call.chunk([call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason)])
+                delta = call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason, d.tool_calls)
+                yield call.chunk([delta])
             if call.plan.include_usage:
                 yield call.chunk([], usage=usage(call.plan.num_prompt_tokens, completion_tokens))
             ended = True

@@ -45,17 +45,22 @@ class SamplingParams:
     seed: int | None = None  # any int64; None: drawn at random
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob and k alternatives
     ignore_eos: bool = False
+    json_schema: str | None = None  # constrain the output to this JSON schema (structured.py)
 
     def wire(self) -> wire_pb2.SamplingParams:
         """Raises ValueError for a value the wire's types cannot hold."""
         # Any int64 seed maps to a distinct uint64 (two's complement): -1 and 2**63 - 1 differ.
         seed = secrets.randbits(64) if self.seed is None else self.seed & _UINT64_MASK
+        grammar = (
+            None if self.json_schema is None else wire_pb2.Grammar(json_schema=self.json_schema)
+        )
         return wire_pb2.SamplingParams(
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             seed=seed,
             num_logprobs=-1 if self.logprobs is None else self.logprobs,
+            grammar=grammar,
         )
 
 

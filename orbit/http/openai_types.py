@@ -1,8 +1,9 @@
 """OpenAI request models, their validation into engine inputs, and OpenAI-shaped response dicts.
 
 Unknown request fields are ignored, as OpenAI does. Fields that would change the output in ways
-Orbit does not implement (echo, suffix, best_of, penalties, logit_bias, tools, JSON mode) are
-refused with a 400 rather than silently ignored. /v1/completions takes a batch of prompts (a list
+Orbit does not implement (echo, suffix, best_of, penalties, logit_bias) are refused with a 400
+rather than silently ignored. `response_format` is checked in orbit/http/structured.py, `tools`
+and `tool_choice` in orbit/http/tool_calls.py. /v1/completions takes a batch of prompts (a list
 of strings or of token-id lists): each prompt's n choices are indexed prompt_i * n + j, as
 OpenAI does, and usage counts every prompt.
 
@@ -33,6 +34,7 @@ from orbit.http.errors import (
     max_tokens_error,
 )
 from orbit.http.textstream import TokenTexts
+from orbit.http.tool_calls import template_uses_tools, tools_system_prompt
 
 MAX_CHOICES = 16
 MAX_BATCH_PROMPTS = 64  # prompts in one /v1/completions request
@@ -49,7 +51,7 @@ _UINT32_MAX = 2**32 - 1
 _INT64_MIN = -(2**63)
 # JSON has no infinities; vLLM reports an impossible token's logprob as this instead.
 _MIN_LOGPROB = -9999.0
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+CHAT_ROLES = ("system", "user", "assistant", "developer", "tool")
 
 
 @dataclass(frozen=True)
@@ -137,9 +139,20 @@ TokenIdLists = Annotated[
     ),
 ]
 NoLogitBias = Annotated[dict[str, float], WithJsonSchema({"type": "object", "maxProperties": 0})]
-NoTools = Annotated[list, WithJsonSchema({"type": "array", "maxItems": 0})]
-TextFormat = Annotated[
-    dict, WithJsonSchema({"type": "object", "properties": {"type": {"enum": ["text"]}}})
+# Checked field by field in structured.py and tool_calls.py, where a 400 can name the part.
+Tools = Annotated[list, WithJsonSchema({"type": "array", "items": {"type": "object"}})]
+ToolChoice = Annotated[
+    str | dict,
+    WithJsonSchema({"anyOf": [{"enum": ["none", "auto", "required"]}, {"type": "object"}]}),
+]
+ResponseFormat = Annotated[
+    dict,
+    WithJsonSchema(
+        {
+            "type": "object",
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}},
+        }
+    ),
 ]
 Off = Annotated[bool, WithJsonSchema({"type": "boolean", "enum": [False]})]
 
@@ -166,6 +179,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: Penalty | None = None
     logit_bias: NoLogitBias | None = None
     ignore_eos: bool | None = False  # extension, for benchmarks
+    response_format: ResponseFormat | None = None  # on /v1/completions an extension
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -200,6 +214,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Annotated[str, WithJsonSchema({"type": "string", "enum": list(CHAT_ROLES)})]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls, for the template
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if isinstance(self.content, list):  # text parts joined by newlines, as vLLM does
@@ -213,8 +229,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: MaxTokens | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = False
     top_logprobs: Logprobs | None = None
-    tools: NoTools | None = None
-    response_format: TextFormat | None = None
+    tools: Tools | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     prompt_param: ClassVar[str] = "messages"
 
@@ -226,10 +243,30 @@ class ChatCompletionRequest(_SamplingFields):
     def engine_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict]:
         # OpenAI's "developer" role is its newer name for "system"; templates know only the latter.
         roles = {"developer": "system"}
-        return [{"role": roles.get(m.role, m.role), "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            message = {"role": roles.get(m.role, m.role), "content": m.text()}
+            if m.tool_calls:
+                message["tool_calls"] = [_template_call(c) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return out
+
+
+def _template_call(call: dict) -> dict:
+    """An earlier tool call as templates read it: arguments as an object (Llama 3 and Qwen
+    templates write them with tojson)."""
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            pass
+    return {**call, "function": fn}
 
 
 RequestModel = TypeVar("RequestModel", CompletionRequest, ChatCompletionRequest)
@@ -425,9 +462,6 @@ def check_chat(req: ChatCompletionRequest) -> None:
     _require(bool(req.messages), "messages must not be empty.", "messages")
     for i, message in enumerate(req.messages):
         _check_message(i, message)
-    _require(not req.tools, "tools are not supported.", "tools")
-    fmt = (req.response_format or {}).get("type", "text")
-    _require(fmt == "text", f"response_format of type '{fmt}' is not supported.", "response_format")
     k = req.top_logprobs
     _check_bounds("top_logprobs", k, LOGPROBS)
     msg = "top_logprobs requires logprobs to be true."
@@ -565,15 +599,24 @@ def _completion_prompt(prompt: str | list[int], limits: PromptLimits) -> str | l
     return list(prompt)
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: PromptLimits) -> str:
+def chat_prompt(
+    req: ChatCompletionRequest, tokenizer, limits: PromptLimits, tools: tuple[dict, ...] = ()
+) -> str:
     """The chat template rendered to text, refused here if it cannot fit the context. Tokenize
     it without adding special tokens a second time: the template writes its own BOS and turn
-    markers where the model expects them."""
-    if not getattr(tokenizer, "chat_template", None):
+    markers where the model expects them. tools go to a template that renders them, otherwise
+    into a system message of Orbit's (tool_calls.py)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise BadRequest("this model has no chat template; use /v1/completions.", "messages")
+    messages, extra = req.template_messages(), {}
+    if tools and template_uses_tools(template):
+        extra["tools"] = list(tools)
+    elif tools:
+        messages = _with_system(messages, tools_system_prompt(tools))
     try:
         text = tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=True, tokenize=False
+            messages, add_generation_prompt=True, tokenize=False, **extra
         )
     except Exception as exc:  # noqa: BLE001 - jinja errors, and the template's raise_exception()
         raise BadRequest(f"the chat template rejected the messages: {exc}", "messages") from None
@@ -581,10 +624,22 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer, limits: PromptLimits) -> 
     return text
 
 
+def _with_system(messages: list[dict], instructions: str) -> list[dict]:
+    """instructions before the first system message's text, or as a system message of its own."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{instructions}\n\n{messages[0]['content']}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
 def build_plan(
-    req: CompletionRequest | ChatCompletionRequest, prompt_ids: list[int], max_seq_len: int
+    req: CompletionRequest | ChatCompletionRequest,
+    prompt_ids: list[int],
+    max_seq_len: int,
+    json_schema: str | None = None,
 ) -> GenerationPlan:
-    """Check the context budget and derive one SamplingParams per choice."""
+    """Check the context budget and derive one SamplingParams per choice; json_schema: what
+    decoding is constrained to (structured.py, tool_calls.py)."""
     num_prompt = len(prompt_ids)
     if num_prompt >= max_seq_len:
         raise context_length_error(max_seq_len, num_prompt, req.prompt_param)
@@ -602,6 +657,7 @@ def build_plan(
         seed=req.seed,
         logprobs=req.engine_logprobs(),
         ignore_eos=bool(req.ignore_eos),
+        json_schema=json_schema,
     )
     n = req.n or 1
     params = tuple(dataclasses.replace(base, seed=choice_seed(req.seed, i)) for i in range(n))
@@ -610,10 +666,13 @@ def build_plan(
 
 
 def build_batch_plan(
-    req: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], max_seq_len: int
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    max_seq_len: int,
+    json_schema: str | None = None,
 ) -> GenerationPlan:
     """build_plan for each prompt of a batch, as one plan whose choices are prompt-major."""
-    plans = [build_plan(req, ids, max_seq_len) for ids in prompts]
+    plans = [build_plan(req, ids, max_seq_len, json_schema) for ids in prompts]
     if len(plans) == 1:
         return plans[0]
     params = tuple(p for plan in plans for p in plan.params)
@@ -666,12 +725,12 @@ class CompletionFormat:
         return []
 
     def delta(
-        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None
+        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None, calls=()
     ) -> dict:
         return self.choice(index, text, tokens, finish)
 
     def choice(
-        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None
+        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None, calls=()
     ) -> dict:
         logprobs = self._logprobs(tokens) if self._with_logprobs else None
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -710,16 +769,22 @@ class ChatFormat:
         ]
 
     def delta(
-        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None
+        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None, calls=()
     ) -> dict:
+        """calls: tool-call deltas (tool_calls.py), each with its index in the choice."""
         delta = {"content": text} if text else {}
+        if calls:
+            delta["tool_calls"] = list(calls)
         logprobs = self._logprobs(tokens) if self._with_logprobs else None
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
     def choice(
-        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None
+        self, index: int, text: str, tokens: list[GeneratedToken], finish: str | None, calls=()
     ) -> dict:
+        """calls: the choice's whole tool calls; content is null when there is none besides."""
         message = {"role": "assistant", "content": text}
+        if calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": list(calls)}
         logprobs = self._logprobs(tokens) if self._with_logprobs else None
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish}
 

@@ -1,0 +1,167 @@
+"""Grammar-constrained decoding on a rank (structured outputs), with xgrammar.
+
+How this works: a sequence whose SamplingParams carry a `Grammar` gets a matcher when it joins
+the rank (`GrammarMasks.start`). Before a step draws, `mask` fills one packed bitmask row per
+constrained sampling row on the CPU (allowed tokens: 1 bits), copies the rows to a buffer
+allocated once on the logits' device and sets every disallowed logit to -inf in place; every
+unconstrained row's bitmask is all ones. After the draw the rank accepts each sampled token
+into its matcher (`SeqGrammar.accept`). Every rank runs the same matchers on the same tokens,
+so every rank masks, and so draws, the same.
+
+A matcher is per-sequence state the rank owns, like its page table: dropped when the sequence
+is released. Its position (`next_pos`) is explicit so that a sequence recomputed after a
+preemption (its earlier output arriving as prefill tokens) replays that output into a fresh
+matcher, and a token fed back by the core that the matcher already consumed is skipped.
+
+Once the grammar is complete the matcher allows only the stop tokens (the package's EOS ids), so
+the sequence ends with an EOS. A row drawn after that (the core is one step ahead) is left
+unmasked: the core discards it.
+
+Reading the tokenizer's vocabulary into xgrammar takes about a second for a 50k vocabulary (far
+more on a loaded host); the rank does it in a background thread once it is ready (`warm_async`),
+so the first constrained request does not wait for it unless it comes first. Compiled grammars
+are cached by schema text (xgrammar's compiler cache).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from proto import wire_pb2
+
+# Whitespace inside the JSON is fixed (", " and ": "): with free whitespace a small model can
+# emit newlines until max_tokens. The API server checks schemas with the same setting.
+ANY_WHITESPACE = False
+_ALL_ALLOWED = -1  # a bitmask word with every bit set
+
+
+class GrammarError(ValueError):
+    """A grammar the rank cannot compile or a token its matcher refuses."""
+
+
+def compile_check(json_schema: str) -> None:
+    """Raise GrammarError when json_schema is not a schema xgrammar can turn into a grammar
+    (no tokenizer needed: the API server calls this once per request)."""
+    import xgrammar as xgr
+
+    try:
+        xgr.Grammar.from_json_schema(json_schema, any_whitespace=ANY_WHITESPACE)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
+        raise GrammarError(_reason(e)) from None
+
+
+def _reason(e: Exception) -> str:
+    # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:line: "; keep what follows.
+    text = str(e).strip()
+    return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
+
+
+@dataclass
+class SeqGrammar:
+    """One sequence's matcher and the position of the next token it consumes."""
+
+    matcher: object  # xgrammar.GrammarMatcher
+    next_pos: int  # tokens before this position are prompt or already consumed
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def accept(self, token_id: int, position: int) -> None:
+        """Consume the output token at `position` unless already consumed."""
+        if position < self.next_pos or self.terminated:
+            return
+        if not self.matcher.accept_token(token_id):
+            raise GrammarError(f"the grammar refuses token {token_id} at position {position}")
+        self.next_pos = position + 1
+
+    def replay(self, token_ids: list[int], start_pos: int) -> None:
+        """Consume the output tokens among a step's input tokens (a recompute after a
+        preemption); prompt tokens and tokens already consumed are skipped."""
+        for i, token_id in enumerate(token_ids):
+            self.accept(token_id, start_pos + i)
+
+
+class GrammarMasks:
+    """A rank's compiler and mask buffers for its constrained sequences."""
+
+    def __init__(
+        self,
+        tokenizer_dir: Path,
+        stop_token_ids: list[int],
+        vocab_size: int,
+        max_batch: int,
+        device: torch.device,
+    ):
+        """vocab_size: the logits' width (padded vocabulary); ids past the tokenizer's are
+        never allowed."""
+        self.tokenizer_dir, self.stop_token_ids = tokenizer_dir, list(stop_token_ids)
+        self.vocab_size, self.max_batch, self.device = vocab_size, max_batch, device
+        self._compiler = None
+        self._compiler_lock = threading.Lock()
+        words = (vocab_size + 31) // 32
+        pin = device.type == "cuda"
+        self._host = torch.full((max_batch, words), _ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
+        self._dev = (
+            self._host if device.type == "cpu" else torch.empty_like(self._host, device=device)
+        )
+
+    def start(self, grammar: wire_pb2.Grammar) -> SeqGrammar:
+        import xgrammar as xgr
+
+        try:
+            compiled = self._get_compiler().compile_json_schema(
+                grammar.json_schema, any_whitespace=ANY_WHITESPACE
+            )
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
+            raise GrammarError(_reason(e)) from None
+        return SeqGrammar(xgr.GrammarMatcher(compiled), grammar.num_prompt_tokens)
+
+    def warm_async(self) -> None:
+        """Build the compiler in a daemon thread, off the step loop."""
+        threading.Thread(target=self._get_compiler, name="grammar-warmup", daemon=True).start()
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            return self._build_compiler()
+
+    def _build_compiler(self):
+        if self._compiler is None:
+            import xgrammar as xgr
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(self.tokenizer_dir))
+            info = xgr.TokenizerInfo.from_huggingface(
+                tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+            )
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def mask(self, logits: torch.Tensor, rows: list[SeqGrammar | None]) -> None:
+        """logits: [n, vocab] float32, one row per entry of rows (None: unconstrained); the
+        disallowed logits of constrained, unfinished rows become -inf in place."""
+        n = len(rows)
+        host = self._host[:n]
+        host.fill_(_ALL_ALLOWED)
+        for i, g in enumerate(rows):
+            if g is not None and not g.terminated:
+                g.matcher.fill_next_token_bitmask(self._host, i)
+        dev = self._dev[:n]
+        if dev is not host:
+            # Safe to refill the host rows next step: the rank reads this step's samples back
+            # (ranks/steps.py) before it masks again, and this copy precedes them on the stream.
+            dev.copy_(host, non_blocking=True)
+        apply_bitmask(logits, dev)
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """logits [n, vocab] float32; bitmask [n, ceil(vocab / 32)] int32, bit j of word w allows
+    token 32 * w + j. xgrammar's kernel: a CPU loop, or one Triton kernel on the GPU that
+    reads the bitmask buffer in place (no allocation)."""
+    import xgrammar as xgr
+
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[-1])
