@@ -88,6 +88,102 @@ SCHEMAS = [
         "maxItems": 3,
     },
     {"enum": ["yes", "no", "maybe"]},
+    {"type": "integer", "minimum": -5, "maximum": 5},
+    {"type": "number", "minimum": 0, "maximum": 1},
+    {"type": "boolean"},
+    {"type": "string", "maxLength": 20},
+    {"type": "string", "pattern": "^[A-Z][a-z]{2,8}$"},
+    {"const": "fixed"},
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}
+        },
+        "required": ["tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "kind": {"const": "circle"},
+            "radius": {"type": "number", "minimum": 0, "maximum": 100},
+        },
+        "required": ["kind", "radius"],
+        "additionalProperties": False,
+    },
+    {
+        "anyOf": [
+            {"type": "integer", "minimum": 0, "maximum": 9},
+            {"type": "string", "enum": ["none"]},
+        ]
+    },
+    {
+        "type": "object",
+        "properties": {
+            "matrix": {
+                "type": "array",
+                "items": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "minItems": 2,
+                    "maxItems": 2,
+                },
+                "minItems": 2,
+                "maxItems": 2,
+            }
+        },
+        "required": ["matrix"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 99},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 99},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+        "required": ["start", "end"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string", "minLength": 1, "maxLength": 20},
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "genres": {
+                "type": "array",
+                "items": {"enum": ["drama", "comedy", "horror"]},
+                "minItems": 1,
+                "maxItems": 2,
+                "uniqueItems": True,
+            },
+        },
+        "required": ["title", "rating", "genres"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "exclusiveMinimum": 0, "maximum": 1000},
+            "currency": {"enum": ["EUR", "USD"]},
+            "discount": {"type": ["number", "null"], "minimum": 0, "maximum": 1},
+        },
+        "required": ["price", "currency", "discount"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "array",
+        "items": {"type": "string", "enum": ["north", "south", "east", "west"]},
+        "minItems": 3,
+        "maxItems": 3,
+    },
 ]
 
 
@@ -133,7 +229,7 @@ def _request(server, schema: dict, **extra) -> dict:
 def test_json_schema_answers_validate(server):
     greedy = [_request(server, s, temperature=0) for s in SCHEMAS]
     sampled = [_request(server, SCHEMAS[2], temperature=1.0, seed=7, n=2)]
-    answers = asyncio.run(_ask_all(server, greedy + sampled))  # 8 sequences: one batch
+    answers = asyncio.run(_ask_all(server, greedy + sampled))  # 22 sequences, 8 at a time
     schemas = [*SCHEMAS, SCHEMAS[2]]
     for schema, answer in zip(schemas, answers):
         for choice in answer.choices:
