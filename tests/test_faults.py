@@ -116,6 +116,11 @@ def test_a_stopped_rank_is_killed_at_once_and_replaced(tp2_pkg):
                 for _ in stream:
                     pass
             noticed_s = time.monotonic() - t0
+            # The API server hears of the failure on the core's next status (0.1 s at most):
+            # until then /health may still say 200 for the group that just failed.
+            while _health(s) == 200:
+                assert time.monotonic() - t0 < 30, "the failed group was never reported"
+                time.sleep(0.02)
             replaced_s = _wait_healthy(s, within_s=60)
             assert not alive(stopped)  # killed, not left stopped
             assert noticed_s < 10  # 5 s of silent heartbeats
