@@ -41,6 +41,9 @@ class ApiServerSink(Sink):
         self.pid = 0  # from its ApiHello
 
     def deliver(self, outputs: core_pb2.StepOutputs) -> None:
+        # A change of status goes out before the outputs it explains: after a stream ends for a
+        # failed rank group, /health must already say so.
+        self.link.send_status_if_changed()
         msg = core_pb2.ToApiServer()
         msg.outputs.CopyFrom(outputs)  # one copy of the step's outputs into the envelope
         self.link.send(self, msg)
@@ -61,6 +64,8 @@ class ApiLink:
         self.sinks: dict[bytes, ApiServerSink] = {}
         self.dropped_messages = 0
         self._tasks: list[asyncio.Task] = []
+        self._sent_status: core_pb2.ToApiServer | None = None
+        self._sent_at = 0.0
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -147,16 +152,21 @@ class ApiLink:
         )
         return core_pb2.ToApiServer(status=status)
 
+    def send_status_if_changed(self, heartbeat: bool = False) -> None:
+        """To every server: the status when it changed, or with heartbeat a second after the
+        last."""
+        msg = self._status_message()
+        now = time.monotonic()
+        if msg != self._sent_status or (heartbeat and now - self._sent_at >= STATUS_INTERVAL_S):
+            self._sent_status, self._sent_at = msg, now
+            for sink in list(self.sinks.values()):
+                self.send(sink, msg)
+
     async def _status(self) -> None:
-        """To every server: the status when it changes, and every second as a heartbeat."""
-        last, sent_at = None, 0.0
+        """The status when it changes (checked every STATUS_POLL_S, and before every delivery
+        of outputs), and every second as a heartbeat."""
         while True:
-            msg = self._status_message()
-            now = time.monotonic()
-            if msg != last or now - sent_at >= STATUS_INTERVAL_S:
-                for sink in list(self.sinks.values()):
-                    self.send(sink, msg)
-                last, sent_at = msg, now
+            self.send_status_if_changed(heartbeat=True)
             await asyncio.sleep(STATUS_POLL_S)
 
     def close(self) -> None:
