@@ -64,7 +64,7 @@ class ApiLink:
         self.sinks: dict[bytes, ApiServerSink] = {}
         self.dropped_messages = 0
         self._tasks: list[asyncio.Task] = []
-        self._sent_status: core_pb2.ToApiServer | None = None
+        self._sent_status: tuple[bool, bool] | None = None  # (ready, stopping) last sent
         self._sent_at = 0.0
 
     def start(self) -> None:
@@ -155,10 +155,14 @@ class ApiLink:
     def send_status_if_changed(self, heartbeat: bool = False) -> None:
         """To every server: the status when it changed, or with heartbeat a second after the
         last."""
-        msg = self._status_message()
+        e = self.engine
+        # compared as a tuple: this runs before every delivery, and a message is built only
+        # when one goes out
+        status = (e.is_ready(), e.stopping)
         now = time.monotonic()
-        if msg != self._sent_status or (heartbeat and now - self._sent_at >= STATUS_INTERVAL_S):
-            self._sent_status, self._sent_at = msg, now
+        if status != self._sent_status or (heartbeat and now - self._sent_at >= STATUS_INTERVAL_S):
+            self._sent_status, self._sent_at = status, now
+            msg = self._status_message()
             for sink in list(self.sinks.values()):
                 self.send(sink, msg)
 

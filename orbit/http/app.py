@@ -161,23 +161,11 @@ def create_app(
     for path, handler, body in (
         ("/tokenize", frontend.tokenize, TokenizeRequest),
         ("/detokenize", frontend.detokenize, DetokenizeRequest),
+        ("/v1/completions", frontend.completions, CompletionRequest),
+        ("/v1/chat/completions", frontend.chat_completions, ChatCompletionRequest),
     ):
         extra = frontend.openapi_body(body)
         app.add_api_route(path, handler, methods=["POST"], dependencies=guard, openapi_extra=extra)
-    app.add_api_route(
-        "/v1/completions",
-        frontend.completions,
-        methods=["POST"],
-        dependencies=guard,
-        openapi_extra=frontend.openapi_body(CompletionRequest),
-    )
-    app.add_api_route(
-        "/v1/chat/completions",
-        frontend.chat_completions,
-        methods=["POST"],
-        dependencies=guard,
-        openapi_extra=frontend.openapi_body(ChatCompletionRequest),
-    )
     return app
 
 
