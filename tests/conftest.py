@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 
 from tests.models import FAMILIES, make_tiny_checkpoint, save_tokenizer, smollm2_gguf
@@ -44,3 +46,14 @@ def package_cache(tmp_path_factory):
         return made[key]
 
     return prepare_cached
+
+
+@pytest.fixture
+async def openai_client(app):
+    """The official client on the module's in-process `app` fixture (no socket)."""
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
+    client = openai.AsyncOpenAI(
+        base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0
+    )
+    yield client
+    await client.close()

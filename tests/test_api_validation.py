@@ -964,16 +964,6 @@ async def test_api_key_guards_the_schema_and_turns_the_docs_off(engine):
 # ---- the official openai client ----
 
 
-@pytest.fixture
-async def openai_client(app):
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
-    client = openai.AsyncOpenAI(
-        base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0
-    )
-    yield client
-    await client.close()
-
-
 async def test_openai_client_completions_and_chat(openai_client, engine):
     completion = await openai_client.completions.create(
         model=MODEL, prompt="hi", max_tokens=5, logprobs=2

@@ -37,16 +37,6 @@ async def client(app):
         yield c
 
 
-@pytest.fixture
-async def openai_client(app):
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app))
-    client = openai.AsyncOpenAI(
-        base_url="http://test/v1", api_key="unused", http_client=http, max_retries=0
-    )
-    yield client
-    await client.close()
-
-
 # ---- model ids ----
 
 
