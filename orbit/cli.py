@@ -146,6 +146,10 @@ def serve(
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
     max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
+    prefix_cache: Annotated[
+        bool,
+        typer.Option(help="Reuse the KV of prompt prefixes that earlier requests computed."),
+    ] = True,
     threads: Annotated[
         int, typer.Option(help="torch threads per CPU rank; 0: (cores - 1) / ranks, at least 1.")
     ] = 0,
@@ -242,6 +246,7 @@ def serve(
         drain_timeout_s=drain_timeout,
         trusted_keys=tuple(trusted_key or ()),
         max_queue=max_queue,
+        prefix_cache=prefix_cache,
         cluster=cluster,
         api_servers=api_servers,
         log_level=log_level,

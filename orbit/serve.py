@@ -68,6 +68,7 @@ class ServeOptions:
     log_dir: Path | None = None
     trusted_keys: tuple[Path, ...] = ()  # non-empty: the package must be signed by one
     max_queue: int = 1024  # waiting requests beyond this get 429
+    prefix_cache: bool = True
     # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
     # ones (orbit/cluster/attach.py); `package` is then the one cluster.toml names.
     cluster: Path | None = None
@@ -97,6 +98,8 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
             max_step_tokens=caps.max_step_tokens,
             eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
             max_queue=opts.max_queue,
+            prefix_cache=opts.prefix_cache,
+            cache_salt=bytes.fromhex(pkg.digest),
         ),
         None,
     )

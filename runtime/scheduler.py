@@ -23,6 +23,16 @@ incarnation (before a preemption) is ignored: its tokens are recomputed and, sam
 seeded by position, drawn again the same. Pages freed by apply() may be given to another
 sequence in the next step while a step in flight still writes them: safe, because every rank
 executes the plans in the order they were sent.
+
+Prefix caching (runtime/prefix_cache.py, on unless SchedulerConfig.prefix_cache is off): a
+waiting sequence is admitted with the cached pages its tokens start with already in its page
+table and counted as computed, so its prefill starts after them. At least its last known token
+is always computed (its logits are needed), and a sequence with a grammar takes cached pages of
+its prompt only, because its rank-side matcher replays recomputed output tokens. A sequence whose
+next page is being computed by the step under construction waits one step for it rather than
+computing it again (this is how the choices of an n > 1 request share their prompt). Pages a
+sequence completes are cached as soon as their tokens are known here; a sequence's pages go back
+to the pool when it ends, cached ones as idle pages evicted least recently used.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
 
 
@@ -57,6 +68,10 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort"
     arrival: int = 0
     num_preemptions: int = 0
+    has_grammar: bool = False  # its output is replayed into a matcher on the ranks
+    cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
+    page_keys: list[bytes] = field(default_factory=list)  # prefix keys of its first full pages
+    num_registered: int = 0  # leading pages offered to the prefix cache
 
     @property
     def num_tokens(self) -> int:
@@ -66,6 +81,12 @@ class Sequence:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
+    def tokens(self, i: int, j: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if j <= n:
+            return self.prompt_ids[i:j]
+        return self.prompt_ids[i:] + self.output_ids[max(i - n, 0) : j - n]
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -74,6 +95,8 @@ class SchedulerConfig:
     max_batch: int
     max_step_tokens: int
     max_seq_len: int
+    prefix_cache: bool = True
+    cache_salt: bytes = b""  # names what else shapes the KV (the package digest)
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -116,12 +139,15 @@ class CapacityError(ValueError):
 class Scheduler:
     def __init__(self, config: SchedulerConfig):
         self.config = config
-        self.free_pages: list[int] = list(range(config.num_pages - 1, -1, -1))
+        self.free_pages: list[int] = list(range(config.num_pages - 1, -1, -1))  # not cached
+        self.cache = (
+            PrefixCache(config.cache_salt, config.page_size) if config.prefix_cache else None
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # arrival order
         self._released: list[int] = []
         self._arrivals = itertools.count()
-        self._steps = itertools.count(1)
+        self._next_step_id = 1
         self.num_preemptions = 0
         # Pages granted to a sequence since the ranks last saw it: sent as its new_pages.
         self._pending_pages: dict[int, int] = {}
@@ -142,12 +168,16 @@ class Scheduler:
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Stop a sequence; its pages are released with the next step."""
+    def abort(self, seq: Sequence, left_out_of: int | None = None) -> None:
+        """Stop a sequence; its pages are released with the next step. left_out_of: the id of
+        a step whose plan was sent without this sequence, so the pages it would have completed
+        hold nothing and must not stay cached."""
         if seq.status is Status.FINISHED:
             return
         if seq.status is Status.WAITING:
             self.waiting.remove(seq)
+        if left_out_of is not None and self.cache is not None:
+            self.cache.unregister_from(seq.pages, left_out_of)
         self._finish(seq, "abort")
 
     @property
@@ -156,36 +186,70 @@ class Scheduler:
 
     @property
     def pages_in_use(self) -> int:
-        return self.config.num_pages - len(self.free_pages)
+        """Pages some sequence holds (idle cached pages are not in use)."""
+        return self.config.num_pages - self._available()
+
+    def _available(self) -> int:
+        return len(self.free_pages) + (self.cache.num_idle if self.cache is not None else 0)
 
     # ---- building a step -----------------------------------------------------------------
     def schedule(self) -> Step | None:
+        step_id = self._next_step_id
         budget, chunks = self.config.max_step_tokens, []
         for seq in self._decoding():
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an older one
             if not self._reserve(seq, seq.num_computed + 1, preempt=True):
                 continue
-            chunks.append(self._chunk(seq, 1))
+            chunks.append(self._chunk(seq, 1, step_id))
             budget -= 1
         for seq in self._prefill_candidates():
             if budget <= 0 or len(chunks) >= self.config.max_batch:
                 break
             if seq.status is Status.WAITING and len(self.running) >= self.config.max_batch:
                 break  # running sequences that are not planned ahead still hold their slot
+            waiting = seq.status is Status.WAITING
+            if waiting and self.cache is not None and not self._take_cached(seq, step_id):
+                continue  # its next page is being computed: it takes it next step
             n = min(self._uncomputed(seq), budget)
             if not self._reserve(seq, seq.num_computed + n, preempt=False):
+                if waiting:
+                    self._free(seq)  # the cached pages it took go back
+                    seq.num_computed = 0
                 break  # keep arrival order: no younger prompt jumps a waiting one
-            if seq.status is Status.WAITING:
+            if waiting:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
-            chunks.append(self._chunk(seq, n))
+            chunks.append(self._chunk(seq, n, step_id))
             budget -= n
         released, self._released = self._released, []
         if not chunks and not released:
             return None
-        return Step(next(self._steps), released, chunks)
+        self._next_step_id += 1
+        return Step(step_id, released, chunks)
+
+    def _take_cached(self, seq: Sequence, step_id: int) -> bool:
+        """Put the cached pages seq starts with in its page table, counted as computed; False
+        (taking none) when the next one is computed by step step_id: seq waits for it."""
+        cache, ps = self.cache, self.config.page_size
+        last = seq.num_tokens - 1  # the last known token is computed again for its logits
+        if seq.has_grammar:
+            last = min(last, len(seq.prompt_ids))
+        cache.extend_keys(seq.page_keys, seq.tokens, last // ps)
+        pages, wait = cache.lookup(seq.page_keys[: last // ps], step_id)
+        if wait:
+            return False
+        cache.hold(pages)  # out of the idle list: the reservation that follows cannot evict them
+        seq.pages = list(pages)
+        seq.num_registered = len(pages)
+        seq.num_computed = len(pages) * ps
+        self._pending_pages[seq.seq_id] = len(pages)
+        if seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            cache.prompt_tokens += len(seq.prompt_ids)
+            cache.hit_tokens += seq.cached_tokens
+        return True
 
     def _decoding(self) -> list[Sequence]:
         return [
@@ -210,7 +274,7 @@ class Scheduler:
             or seq.num_tokens + seq.pending >= self.config.max_seq_len
         )
 
-    def _chunk(self, seq: Sequence, n: int) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, step_id: int) -> SeqChunk:
         first = not seq.on_rank
         new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
         seq.on_rank = True
@@ -219,12 +283,26 @@ class Scheduler:
         sample = seq.num_computed == seq.num_tokens + seq.pending
         if sample:
             seq.pending += 1
+        self._register(seq, step_id)
         return SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
+
+    def _register(self, seq: Sequence, step_id: int) -> None:
+        """Offer the prefix cache seq's pages that are full of known, planned tokens; step_id
+        is the last step that computes any of them."""
+        if self.cache is None:
+            return
+        full = min(seq.num_computed, seq.num_tokens) // self.config.page_size
+        if full <= seq.num_registered:
+            return
+        self.cache.extend_keys(seq.page_keys, seq.tokens, full)
+        for i in range(seq.num_registered, full):
+            self.cache.register(seq.pages[i], seq.page_keys[i], step_id)
+        seq.num_registered = full
 
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
         """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
         need = self.config.pages_for(num_tokens) - len(seq.pages)
-        while need > len(self.free_pages):
+        while need > self._available():
             if not preempt:
                 return False
             victim = self.running[-1]
@@ -232,9 +310,15 @@ class Scheduler:
             if victim is seq:
                 return False
         if need > 0:
-            seq.pages.extend(self.free_pages.pop() for _ in range(need))
+            seq.pages.extend(self._take_page() for _ in range(need))
             self._pending_pages[seq.seq_id] = self._pending_pages.get(seq.seq_id, 0) + need
         return True
+
+    def _take_page(self) -> int:
+        """A free page, else the least recently used idle cached one."""
+        if self.free_pages:
+            return self.free_pages.pop()
+        return self.cache.evict()
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -246,8 +330,13 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.free_pages.extend(reversed(seq.pages))
+        # Last page first: a sequence's tail is the part least likely to be shared, so its idle
+        # pages are evicted before its head's.
+        for page in reversed(seq.pages):
+            if self.cache is None or not self.cache.release(page):
+                self.free_pages.append(page)
         seq.pages = []
+        seq.num_registered = 0
         self._pending_pages.pop(seq.seq_id, None)
         if seq.on_rank:
             self._released.append(seq.seq_id)
@@ -273,6 +362,7 @@ class Scheduler:
             token = sampled[seq.seq_id]
             seq.output_ids.append(token)
             updated.append(seq)
+            self._register(seq, self._next_step_id - 1)  # planned by a step already sent
             if token in seq.stop_token_ids:
                 self._finish(seq, "stop")
             elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len:

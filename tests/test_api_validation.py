@@ -609,6 +609,7 @@ async def test_completion_response_shape_and_usage(client, engine):
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": completion_tokens,
         "total_tokens": len(prompt_ids) + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
     [(request_id, sent_ids, params)] = engine.started
     assert request_id == body["id"] + "-0" and sent_ids == prompt_ids

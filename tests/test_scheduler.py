@@ -27,14 +27,18 @@ def _seq(seq_id: int, prompt_len: int, max_tokens: int, stop=frozenset()) -> Seq
 
 
 class RankModel:
-    """What the ranks hold: page tables built only from the plans' deltas, every token whose KV
-    was computed, and the last token sampled per sequence (what follows_sample feeds). Checks
-    that plans are consistent and complete. Steps run when they are sent, as ranks run them."""
+    """What the ranks hold: page tables built only from the plans' deltas, the KV pages
+    themselves (the token whose KV each slot holds), and the last token sampled per sequence
+    (what follows_sample feeds). Checks that plans are consistent and complete: a chunk
+    continues where its sequence's KV ends, reads a context whose every page holds that
+    sequence's tokens (its own or a prefix cached by another), and never writes a page that
+    another live sequence's table holds. Steps run when they are sent, as ranks run them."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.pages: dict[int, list[int]] = {}
-        self.kv: dict[int, list[int]] = {}  # tokens computed, per sequence
+        self.kv_len: dict[int, int] = {}  # positions computed, per sequence
+        self.slots: dict[int, dict[int, int]] = {}  # page -> slot -> token whose KV is there
         self.last_token: dict[int, int] = {}
 
     def run(self, step, next_token=lambda seq, pos: 0) -> dict[int, int]:
@@ -42,24 +46,42 @@ class RankModel:
         Returns what rank 0 would report: seq_id -> sampled token."""
         for seq_id in step.released:
             self.pages.pop(seq_id, None)
-            self.kv.pop(seq_id, None)
+            self.kv_len.pop(seq_id, None)
             self.last_token.pop(seq_id, None)
         sampled = {}
         for c in step.chunks:
             sid = c.seq.seq_id
             if c.is_new:
                 assert sid not in self.pages
-                self.pages[sid], self.kv[sid] = [], []
+                self.pages[sid], self.kv_len[sid] = [], c.start_pos  # a cached prefix or none
+                assert c.start_pos % self.page_size == 0
+                # Its matcher replays recomputed output: a grammar's output is never cached.
+                assert not c.seq.has_grammar or c.start_pos <= len(c.seq.prompt_ids)
+            else:
+                assert c.start_pos == self.kv_len[sid], "a chunk must continue where its KV ends"
             self.pages[sid].extend(c.new_pages)
-            assert c.start_pos == len(self.kv[sid]), "a chunk must continue where the cache ends"
-            self.kv[sid].extend(self._inputs(c))
-            needed = -(-len(self.kv[sid]) // self.page_size)
-            assert len(self.pages[sid]) >= needed, "tokens written past the page table"
+            holders = {}
+            for seq_id, pages in self.pages.items():
+                for p in pages:
+                    holders[p] = holders.get(p, 0) + 1
+            table = self.pages[sid]
+            needed = -(-(c.start_pos + c.num_tokens) // self.page_size)
+            assert len(table) >= needed, "tokens written past the page table"
+            for i, token in enumerate(self._inputs(c)):
+                page, slot = divmod(c.start_pos + i, self.page_size)
+                assert holders[table[page]] == 1, "a shared page is written"
+                self.slots.setdefault(table[page], {})[slot] = token
+            self.kv_len[sid] = c.start_pos + c.num_tokens
+            known = min(self.kv_len[sid], c.seq.num_tokens)
+            assert self.read(sid, known) == c.seq.tokens(0, known), "the context's KV is wrong"
             if c.sample:
-                sampled[sid] = self.last_token[sid] = next_token(c.seq, len(self.kv[sid]))
-        used = [p for pages in self.pages.values() for p in pages]
-        assert len(used) == len(set(used)), "a page is held by two sequences"
+                sampled[sid] = self.last_token[sid] = next_token(c.seq, self.kv_len[sid])
         return sampled
+
+    def read(self, seq_id: int, n: int) -> list[int]:
+        """The tokens whose KV seq_id's first n positions hold, through its page table."""
+        ps, table = self.page_size, self.pages[seq_id]
+        return [self.slots.get(table[i // ps], {}).get(i % ps) for i in range(n)]
 
     def _inputs(self, c) -> list[int]:
         if not c.follows_sample:
@@ -70,8 +92,8 @@ class RankModel:
     def check_tokens(self, sched: Scheduler) -> None:
         """The KV of every running sequence holds its tokens as the scheduler knows them."""
         for seq in sched.running:
-            kv = self.kv[seq.seq_id][: seq.num_tokens]
-            assert kv == [seq.token(i) for i in range(len(kv))]
+            n = min(self.kv_len[seq.seq_id], seq.num_tokens)
+            assert self.read(seq.seq_id, n) == seq.tokens(0, n)
 
 
 def _drive(sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_steps=10_000):
@@ -220,7 +242,7 @@ def test_decode_ahead_follows_the_sample_in_flight():
 
 
 def test_no_step_ahead_for_a_sequence_that_its_pending_token_ends():
-    sched = Scheduler(_config())
+    sched = Scheduler(_config(prefix_cache=False))  # the same prompt twice: no waiting for it
     one, two = _seq(1, 5, 1), _seq(2, 5, 2)
     sched.add(one)
     sched.add(two)

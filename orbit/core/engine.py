@@ -75,6 +75,9 @@ class EngineConfig:
     # Plan and send the next step while the last one runs (two in flight), so the ranks do not
     # wait for the core between steps. False: one step at a time (benchmarks compare).
     overlap: bool = True
+    # Automatic prefix caching (runtime/prefix_cache.py); cache_salt names the package's KV.
+    prefix_cache: bool = True
+    cache_salt: bytes = b""
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -166,6 +169,7 @@ class Engine:
             max_tokens=max_tokens,
             sampling=sampling,
             stop_token_ids=frozenset() if ignore_eos else frozenset(self.config.eos_token_ids),
+            has_grammar=sampling.HasField("grammar"),
         )
         try:
             self.scheduler.add(seq)
@@ -231,6 +235,26 @@ class Engine:
                 "# TYPE orbit_preemptions_total counter",
                 f"orbit_preemptions_total {s.num_preemptions}",
             ]
+            if s.cache is not None:
+                c = s.cache
+                rate = c.hit_tokens / c.prompt_tokens if c.prompt_tokens else 0.0
+                lines += [
+                    "# HELP orbit_prefix_cache_pages KV pages holding a cached prefix.",
+                    "# TYPE orbit_prefix_cache_pages gauge",
+                    f"orbit_prefix_cache_pages {c.num_pages}",
+                    "# HELP orbit_prefix_cache_hit_tokens_total Prompt tokens served from cache.",
+                    "# TYPE orbit_prefix_cache_hit_tokens_total counter",
+                    f"orbit_prefix_cache_hit_tokens_total {c.hit_tokens}",
+                    "# HELP orbit_prefix_cache_prompt_tokens_total Prompt tokens admitted.",
+                    "# TYPE orbit_prefix_cache_prompt_tokens_total counter",
+                    f"orbit_prefix_cache_prompt_tokens_total {c.prompt_tokens}",
+                    "# HELP orbit_prefix_cache_evictions_total Cached pages reused for others.",
+                    "# TYPE orbit_prefix_cache_evictions_total counter",
+                    f"orbit_prefix_cache_evictions_total {c.evictions}",
+                    "# HELP orbit_prefix_cache_hit_rate Hit tokens / prompt tokens since start.",
+                    "# TYPE orbit_prefix_cache_hit_rate gauge",
+                    f"orbit_prefix_cache_hit_rate {rate:.6f}",
+                ]
         if self.link is not None:
             lines += [
                 "# TYPE orbit_rank_messages_dropped_total counter",
@@ -262,6 +286,8 @@ class Engine:
                 max_batch=c.max_batch,
                 max_step_tokens=c.max_step_tokens,
                 max_seq_len=c.max_seq_len,
+                prefix_cache=c.prefix_cache,
+                cache_salt=c.cache_salt,
             )
         )
         self._ready = True
@@ -356,14 +382,17 @@ class Engine:
                 _add_chunk(plan, chunk)
             except Exception as e:  # this sequence alone fails
                 log.exception("planning sequence %d failed", chunk.seq.seq_id)
-                self._fail_sequence(chunk.seq, f"planning failed: {type(e).__name__}: {e}")
+                self._fail_sequence(
+                    chunk.seq, f"planning failed: {type(e).__name__}: {e}", step.step_id
+                )
         busy = bool(in_flight)
         in_flight.append((step, self.link.submit(plan), time.perf_counter(), busy))
         return True
 
-    def _fail_sequence(self, seq: Sequence, why: str) -> None:
-        """End one sequence with an error; its pages are released with the next step."""
-        self.scheduler.abort(seq)
+    def _fail_sequence(self, seq: Sequence, why: str, left_out_of: int | None = None) -> None:
+        """End one sequence with an error; its pages are released with the next step.
+        left_out_of: the step whose plan was sent without it."""
+        self.scheduler.abort(seq, left_out_of)
         owner = self._owners.pop(seq.seq_id, None)
         if owner is not None:
             owner.sink.live.pop(owner.key, None)
@@ -405,6 +434,8 @@ class Engine:
             if outputs is None:
                 outputs = by_sink[owner.sink] = core_pb2.StepOutputs()
             out = outputs.outputs.add(seq_key=owner.key, token_ids=(tokens[seq.seq_id],))
+            if len(seq.output_ids) == 1:
+                out.cached_tokens = seq.cached_tokens or 0
             if owner.logprobs:
                 s = samples[seq.seq_id]
                 out.logprobs.append(s.logprob)

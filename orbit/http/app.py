@@ -262,6 +262,17 @@ class _Call:
     model: str
     fmt: Format
     plan: GenerationPlan
+    cached: dict[int, int] = field(default_factory=dict)  # choice -> prompt tokens from cache
+
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache, counted as prompt_tokens counts them:
+        once per prompt, from the prompt's first choice."""
+        per_prompt = len(self.plan.params) // max(len(self.plan.batch), 1)
+        return sum(n for i, n in self.cached.items() if i % per_prompt == 0)
+
+    def usage(self, completion_tokens: int) -> dict:
+        return usage(self.plan.num_prompt_tokens, completion_tokens, self.cached_tokens)
 
     def body(self, object_name: str, choices: list[dict], **extra) -> dict:
         head = {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
@@ -478,6 +489,8 @@ class _Frontend:
         tokens: list[GeneratedToken] = []
         try:
             async for out in outputs:
+                if out.cached_tokens:
+                    call.cached[index] = out.cached_tokens
                 timer.tick(len(out.token_ids))
                 text = text_stream.feed_many(out.token_ids)
                 tokens += _generated(out, text_stream.fed_offsets)
@@ -508,7 +521,7 @@ class _Frontend:
         body = call.body(
             call.fmt.object_name,
             choices,
-            usage=usage(call.plan.num_prompt_tokens, completion_tokens),
+            usage=call.usage(completion_tokens),
         )
         return JSONResponse(body, headers=self.headers)
 
@@ -535,7 +548,7 @@ class _Frontend:
                 delta = call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason, d.tool_calls)
                 yield call.chunk([delta])
             if call.plan.include_usage:
-                yield call.chunk([], usage=usage(call.plan.num_prompt_tokens, completion_tokens))
+                yield call.chunk([], usage=call.usage(completion_tokens))
             ended = True
         except Exception as exc:  # noqa: BLE001 - any failure must reach the client as an event
             ended = True
