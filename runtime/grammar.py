@@ -20,7 +20,9 @@ unmasked: the core discards it.
 Reading the tokenizer's vocabulary into xgrammar takes about a second for a 50k vocabulary (far
 more on a loaded host); the rank does it in a background thread once it is ready (`warm_async`),
 so the first constrained request does not wait for it unless it comes first. Compiled grammars
-are cached by schema text (xgrammar's compiler cache).
+are cached by schema text (xgrammar's compiler cache, at most COMPILER_CACHE_BYTES). The API
+server compiled each schema first, within a time limit (orbit/http/schema_check.py), so what
+the compile here costs the step is bounded by that limit.
 """
 
 from __future__ import annotations
@@ -37,24 +39,16 @@ from proto import wire_pb2
 # emit newlines until max_tokens. The API server checks schemas with the same setting.
 ANY_WHITESPACE = False
 _ALL_ALLOWED = -1  # a bitmask word with every bit set
+# Compiled grammars kept for schemas sent again; unbounded, distinct schemas would grow a rank.
+COMPILER_CACHE_BYTES = 512 << 20
 
 
 class GrammarError(ValueError):
     """A grammar the rank cannot compile or a token its matcher refuses."""
 
 
-def compile_check(json_schema: str) -> None:
-    """Raise GrammarError when json_schema is not a schema xgrammar can turn into a grammar
-    (no tokenizer needed: the API server calls this once per request)."""
-    import xgrammar as xgr
-
-    try:
-        xgr.Grammar.from_json_schema(json_schema, any_whitespace=ANY_WHITESPACE)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
-        raise GrammarError(_reason(e)) from None
-
-
-def _reason(e: Exception) -> str:
+def reason(e: Exception) -> str:
+    """xgrammar's error message without its log prefix."""
     # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:line: "; keep what follows.
     text = str(e).strip()
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
@@ -118,7 +112,7 @@ class GrammarMasks:
                 grammar.json_schema, any_whitespace=ANY_WHITESPACE
             )
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
-            raise GrammarError(_reason(e)) from None
+            raise GrammarError(reason(e)) from None
         return SeqGrammar(xgr.GrammarMatcher(compiled), grammar.num_prompt_tokens)
 
     def warm_async(self) -> None:
@@ -138,7 +132,9 @@ class GrammarMasks:
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(
+                info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES
+            )
         return self._compiler
 
     def mask(self, logits: torch.Tensor, rows: list[SeqGrammar | None]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from proto import wire_pb2
 from ranks.steps import StepExecutor
-from runtime.grammar import GrammarError, GrammarMasks, compile_check
+from runtime.grammar import GrammarMasks
 from runtime.package import open_package
 from runtime.sampling import sample
 from tests.tp_harness import load_runner
@@ -156,9 +156,3 @@ def test_a_recomputed_sequence_continues_its_grammar(executor, prompt_ids):
     tail = _decode(executor, again, {2: n + len(head)}, eos, max_new=30)[2]
     assert len(head) == 4 and whole[-1] in eos
     assert head + tail == whole
-
-
-def test_bad_schemas_are_refused_with_the_reason():
-    with pytest.raises(GrammarError, match="Unsupported type"):
-        compile_check('{"type": "frobnicate"}')
-    compile_check(json.dumps(SCHEMAS[0]))
