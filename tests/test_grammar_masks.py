@@ -156,3 +156,22 @@ def test_a_recomputed_sequence_continues_its_grammar(executor, prompt_ids):
     tail = _decode(executor, again, {2: n + len(head)}, eos, max_new=30)[2]
     assert len(head) == 4 and whole[-1] in eos
     assert head + tail == whole
+
+
+def test_a_schema_the_rank_cannot_compile_fails_its_sequence_alone(executor, prompt_ids):
+    """The compile runs in the background and fails at the sequence's first masked row: that
+    sequence's samples carry the reason, its neighbour's are constrained as usual."""
+    executor, pkg = executor
+    n = len(prompt_ids)
+    first = wire_pb2.StepPlan(step_id=1)
+    _join(first, 1, _sampling({"type": "frobnicate"}, 1, n), prompt_ids, 0)
+    _join(first, 2, _sampling(SCHEMAS[1], 2, n), prompt_ids, 0)
+    launched = executor.launch(first, None)
+    samples = {s.seq_id: s for s in executor.finish(launched).samples}
+    executor.launch(wire_pb2.StepPlan(step_id=2, release_seq_ids=[1, 2]), None)
+    assert "grammar: " in samples[1].error and "frobnicate" in samples[1].error
+    assert not samples[2].error
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    assert tok.decode([samples[2].token_id]).startswith("{")
