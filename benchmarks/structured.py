@@ -20,7 +20,8 @@ Per level, the two arms run one after the other, free text first, each after one
 short request (the schema is then compiled and cached on the API server and the ranks; what is
 measured is decoding under the mask, not the one-time compile). Figures: output tokens/s (all
 tokens over the time from the first request sent to the last answer), mean request latency,
-tokens per request (min and max), and the json arm's tokens/s relative to free text. One
+tokens per request (min and max), the json arm's tokens/s relative to free text, and the
+server's preemptions during the arm (a KV cache too small for every stream). One
 client process sends every request (non-streamed answers: the client's work is the same in
 both arms).
 """
@@ -82,6 +83,16 @@ async def one(client, model: str, ids: list[int], new_tokens: int, arm: Arm) -> 
     return Answer(took_s, r.usage.completion_tokens, choice.text, choice.finish_reason)
 
 
+def preemptions(url: str, api_key: str) -> float | None:
+    """orbit_preemptions_total from /metrics (None from a server without it): a preempted
+    sequence is recomputed, which costs both arms, but not necessarily alike."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    for line in httpx.get(url + "/metrics", headers=headers, timeout=30).text.splitlines():
+        if line.startswith("orbit_preemptions_total "):
+            return float(line.split()[1])
+    return None
+
+
 async def run_arm(client, model: str, arm: Arm, streams: int, args, first_salt: int) -> dict:
     gate = asyncio.Semaphore(streams)
 
@@ -94,10 +105,15 @@ async def run_arm(client, model: str, arm: Arm, streams: int, args, first_salt: 
     if warm.error:
         raise RuntimeError(f"{arm.name}: the warm-up request failed: {warm.error}")
     num_requests = streams * args.requests_per_stream
+    preempted_before = preemptions(args.url, args.api_key)
     started = time.perf_counter()
     salts = range(first_salt, first_salt + num_requests)
     answers = await asyncio.gather(*(bounded(s) for s in salts))
-    return summarize(arm, streams, answers, time.perf_counter() - started)
+    row = summarize(arm, streams, answers, time.perf_counter() - started)
+    preempted_after = preemptions(args.url, args.api_key)
+    if preempted_before is not None and preempted_after is not None:
+        row["preemptions"] = int(preempted_after - preempted_before)
+    return row
 
 
 def summarize(arm: Arm, streams: int, answers: list[Answer], wall_s: float) -> dict:
@@ -171,14 +187,14 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 def print_table(rows: list[dict]) -> None:
     head = f"{'streams':>7} {'arm':<12} {'tok/s':>9} {'vs free':>8} {'latency s':>9} "
-    print(head + f"{'tokens/req':>11} {'fails':>5} {'left grammar':>12}")
+    print(head + f"{'tokens/req':>11} {'fails':>5} {'left grammar':>12} {'preempted':>9}")
     for r in rows:
         per_req = "-".join(str(t) for t in dict.fromkeys(r["tokens_per_request"] or []))
         ratio = f"{r['vs_free_text']:.3f}" if "vs_free_text" in r else ""
         print(
             f"{r['concurrency']:>7} {r['arm']:<12} {r['output_tokens_per_s']:>9.1f} {ratio:>8} "
             f"{r['mean_latency_s'] or 0:>9.2f} {per_req:>11} {r['failures']:>5} "
-            f"{r.get('left_grammar', ''):>12}"
+            f"{r.get('left_grammar', ''):>12} {r.get('preemptions', ''):>9}"
         )
 
 
@@ -206,6 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
     started = datetime.now(UTC).isoformat(timespec="seconds")
     if args.serve is not None:
         with served(args) as (url, _):
+            args.url = url
             rows = asyncio.run(run_levels(url, args))
     else:
         rows = asyncio.run(run_levels(args.url, args))
