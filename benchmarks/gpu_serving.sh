@@ -9,6 +9,9 @@
 #                official openai client (benchmarks.serving_sweep): 1, 8, 64, 256 streams of
 #                512-token prompts and 256 new tokens, the GPU's busy share and the frontend's
 #                CPU time per token; then TTFT of a 2,048-token prompt alone
+#   PART=structured  issue 17's structured-output overhead (benchmarks.structured): 256-token
+#                json_schema answers against 256-token free text, at 1 and 64 streams, through
+#                orbit serve --device cuda; writes structured.json (not part of "all")
 # Run from the repository root with the kit carried: source .gpu/bootstrap.sh first.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -44,8 +47,16 @@ http_part() {
     --serve-args "--device cuda ${SERVE_ARGS:-}" --concurrency "$levels" --prompt-tokens 512 \
     --new-tokens 256 --ttft-prompt-tokens 2048 --out "$out/sweep.json" 2>&1 | tee "$out/sweep.log"
 }
+structured_part() {
+  date -u +"%T structured" >&2
+  timeout "${STRUCTURED_TIMEOUT:-540}" python3 -m benchmarks.structured --serve "$pkg" \
+    --serve-args "--device cuda ${SERVE_ARGS:-}" --concurrency "${STRUCTURED_LEVELS:-1,64}" \
+    --new-tokens 256 --prompt-tokens 512 --out "$out/structured.json" 2>&1 \
+    | tee "$out/structured.log"
+}
 case "${PART:-all}" in
 engine) engine_part ;;
 http) http_part ;;
+structured) structured_part ;;
 all) http_part; levels=${REF_LEVELS:-64,256} engine_part ;;
 esac

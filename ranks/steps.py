@@ -21,7 +21,9 @@ the draw, which needs its matcher to have consumed every earlier sample. So a st
 constrained row first makes sure the previous step's tokens were accepted (`_accept`): the model
 of this step is already queued when the rank waits for them, so on a GPU the forward runs while
 the host reads the previous samples and fills the masks. Tokens are accepted once per step, in
-`_accept`, called from the next launch or from finish, whichever comes first.
+`_accept`, called from the next launch or from finish, whichever comes first. A new sequence's
+grammar compiles in the background from the moment it joins; its first masked row waits for
+it (`_grammar_ready`), on every rank at the same row, so the ranks stay in lock-step.
 
 A draw that raises fails only its own sequence: the batch is drawn again row by row, a row
 that still fails gets token 0 and an error in its Sample, and the frontend ends that sequence.
@@ -39,7 +41,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import wire_pb2
-from runtime.grammar import GrammarMasks, SeqGrammar
+from runtime.grammar import GrammarError, GrammarMasks, SeqGrammar
 from runtime.runner import SeqInput
 from runtime.sampling import Sampled, SamplingParams
 
@@ -131,7 +133,7 @@ class StepExecutor:
                 token_ids, feeds = [0], True
             else:
                 token_ids = _input_tokens(s, state)
-                if state.grammar is not None and s.token_ids:
+                if s.token_ids and _grammar_ready(state):
                     state.grammar.replay(list(s.token_ids), s.start_pos)
             inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row))
             if s.sample:
@@ -167,15 +169,15 @@ class StepExecutor:
             return SeqState(params)
         if self.grammars is None:
             raise ValueError("step plan: a sequence has a grammar, but this rank has no masks")
-        try:
-            return SeqState(params, grammar=self.grammars.start(p.grammar))
-        except ValueError as e:  # fails this sequence, not the rank
-            return SeqState(params, error=f"grammar: {e}")
+        return SeqState(params, grammar=self.grammars.start(p.grammar))
 
     def _mask(self, launched: Launched, logits: torch.Tensor, previous: Launched | None) -> None:
         """Mask the constrained rows once their matchers consumed every earlier sample."""
         if previous is not None:
             self._accept(previous)
+        for i, (_, state, _) in enumerate(launched.rows):
+            if state.grammar is not None and not _grammar_ready(state):
+                launched.errors[i] = state.error
         self.grammars.mask(logits, [state.grammar for _, state, _ in launched.rows])
 
     def _accept(self, launched: Launched) -> None:
@@ -263,6 +265,19 @@ class StepExecutor:
         result.execute_s = time.perf_counter() - launched.started
         result.idle_before_s = launched.idle_before_s
         return result
+
+
+def _grammar_ready(state: SeqState) -> bool:
+    """Wait for the sequence's grammar to compile; False when it has none or its schema failed
+    to compile (the sequence then fails: state.error says why, in each of its samples)."""
+    if state.grammar is None:
+        return False
+    try:
+        state.grammar.wait()
+    except GrammarError as e:  # fails this sequence, not the rank
+        state.grammar, state.error = None, f"grammar: {e}"
+        return False
+    return True
 
 
 def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:

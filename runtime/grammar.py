@@ -1,10 +1,10 @@
 """Grammar-constrained decoding on a rank (structured outputs), with xgrammar.
 
-How this works: a sequence whose SamplingParams carry a `Grammar` gets a matcher when it joins
-the rank (`GrammarMasks.start`). Before a step draws, `mask` fills one packed bitmask row per
-constrained sampling row on the CPU (allowed tokens: 1 bits), copies the rows to a buffer
-allocated once on the logits' device and sets every disallowed logit to -inf in place; every
-unconstrained row's bitmask is all ones. After the draw the rank accepts each sampled token
+How this works: a sequence whose SamplingParams carry a `Grammar` starts compiling it when it
+joins the rank (`GrammarMasks.start`), in the rank's one compile thread. Before a step draws,
+`mask` fills one packed bitmask row per constrained sampling row on the CPU (allowed tokens: 1
+bits), copies the rows to a buffer allocated once on the logits' device and sets every
+disallowed logit to -inf in place; every unconstrained row's bitmask is all ones. After the draw the rank accepts each sampled token
 into its matcher (`SeqGrammar.accept`). Every rank runs the same matchers on the same tokens,
 so every rank masks, and so draws, the same.
 
@@ -17,15 +17,27 @@ Once the grammar is complete the matcher allows only the stop tokens (the packag
 the sequence ends with an EOS. A row drawn after that (the core is one step ahead) is left
 unmasked: the core discards it.
 
+The compile and the step loop. A sequence's first sampling row waits for its grammar: in the
+meantime its prompt's prefill chunks and the step's forward pass run, but the wait itself holds
+the rank's step, and so every stream of its rank group. Every rank waits at the same row for
+the same deterministic compile, so the ranks stay in lock-step and draw the same tokens; a
+schema that does not compile fails its sequence alone, on every rank alike. What bounds the
+wait is the API server: it compiles each new schema the same way, in a child process with a
+time and memory limit, and refuses one over them with a 400 before the core sees it
+(orbit/http/schema_check.py). A rank thus never compiles a schema that took longer than that
+limit to compile there. (Holding the sequence out of the batch until its grammar is ready on
+every rank, as vLLM does, would remove even that wait, at the price of a scheduler state.)
+
 Reading the tokenizer's vocabulary into xgrammar takes about a second for a 50k vocabulary (far
 more on a loaded host); the rank does it in a background thread once it is ready (`warm_async`),
 so the first constrained request does not wait for it unless it comes first. Compiled grammars
-are cached by schema text (xgrammar's compiler cache).
+are cached by schema text (xgrammar's compiler cache, at most COMPILER_CACHE_BYTES).
 """
 
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,24 +49,16 @@ from proto import wire_pb2
 # emit newlines until max_tokens. The API server checks schemas with the same setting.
 ANY_WHITESPACE = False
 _ALL_ALLOWED = -1  # a bitmask word with every bit set
+# Compiled grammars kept for schemas sent again; unbounded, distinct schemas would grow a rank.
+COMPILER_CACHE_BYTES = 512 << 20
 
 
 class GrammarError(ValueError):
     """A grammar the rank cannot compile or a token its matcher refuses."""
 
 
-def compile_check(json_schema: str) -> None:
-    """Raise GrammarError when json_schema is not a schema xgrammar can turn into a grammar
-    (no tokenizer needed: the API server calls this once per request)."""
-    import xgrammar as xgr
-
-    try:
-        xgr.Grammar.from_json_schema(json_schema, any_whitespace=ANY_WHITESPACE)
-    except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
-        raise GrammarError(_reason(e)) from None
-
-
-def _reason(e: Exception) -> str:
+def reason(e: Exception) -> str:
+    """xgrammar's error message without its log prefix."""
     # xgrammar's messages start with "[hh:mm:ss] /path/file.cc:line: "; keep what follows.
     text = str(e).strip()
     return text.split(": ", 1)[1] if text.startswith("[") and ": " in text else text
@@ -64,8 +68,21 @@ def _reason(e: Exception) -> str:
 class SeqGrammar:
     """One sequence's matcher and the position of the next token it consumes."""
 
-    matcher: object  # xgrammar.GrammarMatcher
+    compiled: Future  # of its xgrammar.CompiledGrammar (GrammarMasks.start)
     next_pos: int  # tokens before this position are prompt or already consumed
+    _matcher: object = None  # xgrammar.GrammarMatcher, made on first use
+
+    def wait(self) -> None:
+        """Block until the grammar is compiled; GrammarError when its schema did not compile."""
+        if self._matcher is None:
+            import xgrammar as xgr
+
+            self._matcher = xgr.GrammarMatcher(self.compiled.result())
+
+    @property
+    def matcher(self):
+        self.wait()
+        return self._matcher
 
     @property
     def terminated(self) -> bool:
@@ -103,6 +120,8 @@ class GrammarMasks:
         self.vocab_size, self.max_batch, self.device = vocab_size, max_batch, device
         self._compiler = None
         self._compiler_lock = threading.Lock()
+        # One thread: compiles queue behind each other, never beside the step loop's work twice.
+        self._compiling = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         words = (vocab_size + 31) // 32
         pin = device.type == "cuda"
         self._host = torch.full((max_batch, words), _ALL_ALLOWED, dtype=torch.int32, pin_memory=pin)
@@ -111,15 +130,18 @@ class GrammarMasks:
         )
 
     def start(self, grammar: wire_pb2.Grammar) -> SeqGrammar:
-        import xgrammar as xgr
+        """The sequence's grammar, compiling in the background: its first masked row waits for
+        it, so the compile overlaps the prompt's prefill."""
+        compiled = self._compiling.submit(self._compile, grammar.json_schema)
+        return SeqGrammar(compiled, grammar.num_prompt_tokens)
 
+    def _compile(self, json_schema: str):
         try:
-            compiled = self._get_compiler().compile_json_schema(
-                grammar.json_schema, any_whitespace=ANY_WHITESPACE
+            return self._get_compiler().compile_json_schema(
+                json_schema, any_whitespace=ANY_WHITESPACE
             )
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
-            raise GrammarError(_reason(e)) from None
-        return SeqGrammar(xgr.GrammarMatcher(compiled), grammar.num_prompt_tokens)
+            raise GrammarError(reason(e)) from None
 
     def warm_async(self) -> None:
         """Build the compiler in a daemon thread, off the step loop."""
@@ -138,7 +160,9 @@ class GrammarMasks:
             info = xgr.TokenizerInfo.from_huggingface(
                 tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
             )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgr.GrammarCompiler(
+                info, max_threads=1, cache_limit_bytes=COMPILER_CACHE_BYTES
+            )
         return self._compiler
 
     def mask(self, logits: torch.Tensor, rows: list[SeqGrammar | None]) -> None:

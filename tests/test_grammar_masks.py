@@ -14,7 +14,7 @@ import torch
 
 from proto import wire_pb2
 from ranks.steps import StepExecutor
-from runtime.grammar import GrammarError, GrammarMasks, compile_check
+from runtime.grammar import GrammarMasks
 from runtime.package import open_package
 from runtime.sampling import sample
 from tests.tp_harness import load_runner
@@ -158,7 +158,20 @@ def test_a_recomputed_sequence_continues_its_grammar(executor, prompt_ids):
     assert head + tail == whole
 
 
-def test_bad_schemas_are_refused_with_the_reason():
-    with pytest.raises(GrammarError, match="Unsupported type"):
-        compile_check('{"type": "frobnicate"}')
-    compile_check(json.dumps(SCHEMAS[0]))
+def test_a_schema_the_rank_cannot_compile_fails_its_sequence_alone(executor, prompt_ids):
+    """The compile runs in the background and fails at the sequence's first masked row: that
+    sequence's samples carry the reason, its neighbour's are constrained as usual."""
+    executor, pkg = executor
+    n = len(prompt_ids)
+    first = wire_pb2.StepPlan(step_id=1)
+    _join(first, 1, _sampling({"type": "frobnicate"}, 1, n), prompt_ids, 0)
+    _join(first, 2, _sampling(SCHEMAS[1], 2, n), prompt_ids, 0)
+    launched = executor.launch(first, None)
+    samples = {s.seq_id: s for s in executor.finish(launched).samples}
+    executor.launch(wire_pb2.StepPlan(step_id=2, release_seq_ids=[1, 2]), None)
+    assert "grammar: " in samples[1].error and "frobnicate" in samples[1].error
+    assert not samples[2].error
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    assert tok.decode([samples[2].token_id]).startswith("{")

@@ -5,7 +5,10 @@ with jsonschema), whatever the small model would have said unconstrained."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -13,6 +16,7 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
+from orbit.http.schema_check import COMPILE_TIMEOUT_S
 from tests.server import ServerProcess
 
 PROMPT = "Describe one fictional person."
@@ -296,6 +300,39 @@ def test_an_unsupported_schema_is_a_400_naming_it(server):
     error = resp.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
     assert "frobnicate" in error["message"]
+
+
+def test_a_schema_too_costly_to_compile_is_a_400_and_other_streams_flow(server):
+    """A 30-byte pattern whose grammar takes 11 s to compile (2-core test machine) is refused
+    at the API server's limit, while a stream already running keeps getting its tokens: the
+    ranks never see the schema. (Before the limit, the ranks compiled it in the step, and every
+    stream waited those 11 s.)"""
+    client = _client(server)
+    stream = client.completions.create(
+        model=server.model,
+        prompt="Once upon a time",
+        max_tokens=120,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    arrivals: list[float] = []
+    reader = threading.Thread(target=lambda: arrivals.extend(time.monotonic() for _ in stream))
+    reader.start()
+    while len(arrivals) < 3:
+        time.sleep(0.05)
+    slow = {"type": "string", "pattern": "^(.{1,30}x){1,40}$"}
+    started = time.monotonic()
+    resp = httpx.post(server.url + "/v1/chat/completions", json=_request(server, slow), timeout=60)
+    took_s = time.monotonic() - started
+    reader.join()
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert f"did not compile within {COMPILE_TIMEOUT_S:g} s" in error["message"]
+    assert took_s < COMPILE_TIMEOUT_S + 3.0
+    assert arrivals[-1] > started + took_s  # the stream ran across the refusal...
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert max(gaps) < COMPILE_TIMEOUT_S  # ...and never waited for the compile
 
 
 @pytest.mark.slow

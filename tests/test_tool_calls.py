@@ -234,7 +234,7 @@ def _rendered(tokenizer, template: str | None) -> str:
     if template is not None:
         tokenizer.chat_template = template
     req = ChatCompletionRequest.model_validate({"messages": QUESTION, "tools": TOOLS})
-    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+    plan = tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls, [])
     return chat_prompt(req, tokenizer, PromptLimits.of(tokenizer, 4096), plan.tools)
 
 

@@ -77,10 +77,11 @@ from orbit.http.openai_types import (
     parse_request,
     usage,
 )
-from orbit.http.structured import response_schema
+from orbit.http.schema_check import SchemaChecker
+from orbit.http.structured import check_schemas
 from orbit.http.textstream import TextStream, TokenTexts
 from orbit.http.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from orbit.http.tool_calls import OutputConstraints, chat_output
+from orbit.http.tool_calls import OutputConstraints, chat_output, completion_output
 from orbit.http.tool_parser import merge_deltas, parse_choice
 from proto import core_pb2
 from runtime.version import __version__
@@ -98,6 +99,9 @@ MAX_HEAD_BYTES = 16 * 1024
 # in the small lane; one that size parses and tokenizes in about 15 ms.
 SMALL_WORK_BYTES = 16 * 1024
 LARGE_LANE_THREADS = 2
+# Schema checks wait for a compile, one at a time per API server (orbit/http/schema_check.py);
+# a schema checked before passes at once, so a few threads keep those from queueing behind one.
+SCHEMA_LANE_THREADS = 4
 MAX_ECHO_CHARS = 256  # of a client's value quoted in an error message
 SSE_DONE = "data: [DONE]\n\n"
 _ROUTES = frozenset(
@@ -127,15 +131,23 @@ def create_app(
     metrics: FrontendMetrics | None = None,
     server_index: int = 0,
     model_aliases: tuple[str, ...] = (),
+    schema_checker: SchemaChecker | None = None,
 ) -> FastAPI:
     """The HTTP app over the engine core's client (tests pass an in-test engine with the same
     interface). With `api_key`, every route but /health needs `Authorization: Bearer KEY`,
     /openapi.json included, and the interactive docs (/docs, /redoc) are off: a browser
     could not send the key for the schema they load. Generation responses name the API server
     that served them (`x-orbit-api-server`). Requests may name the model by `served_model_name`
-    (the listed id) or any of `model_aliases`."""
+    (the listed id) or any of `model_aliases`. `schema_checker` compiles structured-output
+    schemas before they reach the core (default: one over the engine's tokenizer, started on
+    the first schema)."""
     frontend = _Frontend(
-        engine, served_model_name, body_limits, metrics or FrontendMetrics(), model_aliases
+        engine,
+        served_model_name,
+        body_limits,
+        metrics or FrontendMetrics(),
+        model_aliases,
+        schema_checker or SchemaChecker(engine.tokenizer),
     )
     frontend.headers["x-orbit-api-server"] = str(server_index)
     docs = {"openapi_url": None, "docs_url": None, "redoc_url": None} if api_key else {}
@@ -319,10 +331,18 @@ class _Lanes:
     def __init__(self):
         self._small = ThreadPoolExecutor(1, thread_name_prefix="orbit-small-prompts")
         self._large = ThreadPoolExecutor(LARGE_LANE_THREADS, thread_name_prefix="orbit-prompts")
+        self._schemas = ThreadPoolExecutor(SCHEMA_LANE_THREADS, thread_name_prefix="orbit-schemas")
 
     async def run(self, size: int, fn: Callable[..., T], *args) -> T:
         pool = self._small if size <= SMALL_WORK_BYTES else self._large
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    async def compile(self, check: Callable[[str], None], schemas: tuple) -> None:
+        """Check a request's schemas (structured.check_schemas) in a lane of their own: a
+        compile may take seconds, and a schema checked before passes at once."""
+        if schemas:
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._schemas, check_schemas, schemas, check)
 
 
 class _Frontend:
@@ -334,9 +354,11 @@ class _Frontend:
         model_name: str,
         body_limits: BodyLimits,
         metrics: FrontendMetrics,
-        model_aliases: tuple[str, ...] = (),
+        model_aliases: tuple[str, ...],
+        schemas: SchemaChecker,
     ):
         self.engine = engine
+        self.schemas = schemas
         self.model_name = model_name  # the listed id, and the one responses carry
         self.model_names = (model_name, *model_aliases)  # every id requests may use
         self.body_limits = body_limits
@@ -407,12 +429,14 @@ class _Frontend:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
         req, prompts, output = await self._lanes.run(len(raw), self._completion_prompts, raw)
+        await self._lanes.compile(self.schemas.check, output.schemas)
         return await self._generate(request, req, prompts, CompletionFormat, started_s, output)
 
     async def chat_completions(self, request: Request) -> Response:
         started_s = time.monotonic()
         raw = await _read_body(request, self.body_limits)
         req, prompt, output = await self._lanes.run(len(raw), self._chat_prompt, raw)
+        await self._lanes.compile(self.schemas.check, output.schemas)
         return await self._generate(request, req, [prompt], ChatFormat, started_s, output)
 
     def _completion_prompts(
@@ -421,7 +445,7 @@ class _Frontend:
         req = parse_request(raw, CompletionRequest, self.prompt_limits)
         self._check_model(req.model)
         check_completion(req)
-        output = OutputConstraints(response_schema(req.response_format))
+        output = completion_output(req.response_format)
         prompts = completion_prompts(req, self.prompt_limits)
         return req, [_Prompt(p, True) if isinstance(p, str) else p for p in prompts], output
 

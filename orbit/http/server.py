@@ -78,6 +78,7 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
     from orbit.http.app import create_app, uvicorn_options
     from orbit.http.core_client import CoreClient
     from orbit.http.metrics import FrontendMetrics
+    from orbit.http.schema_check import SchemaChecker
     from runtime.package import open_package
 
     pkg = open_package(cfg.package)
@@ -88,6 +89,8 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
     max_seq_len = cfg.max_seq_len or pkg.capacities.max_seq_len
     client = CoreClient(cfg.core_endpoint, index, metrics.render, tokenizer, max_seq_len)
     await client.start()
+    schemas = SchemaChecker(tokenizer)
+    schemas.warm_async()  # its child process imports xgrammar: seconds the first schema saves
     app = create_app(
         client,
         cfg.model_name,
@@ -95,6 +98,7 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
         metrics=metrics,
         server_index=index,
         model_aliases=cfg.model_aliases,
+        schema_checker=schemas,
     )
     server = uvicorn.Server(
         uvicorn.Config(

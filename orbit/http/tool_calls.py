@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from orbit.http.errors import BadRequest
-from orbit.http.structured import checked_schema, response_schema
+from orbit.http.structured import SchemaToCheck, checked_schema, response_schema
 from orbit.http.tool_parser import ToolCallParser
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
@@ -45,8 +45,11 @@ class ToolPlan:
         )
 
 
-def tool_plan(tools: object, tool_choice: object, parallel: bool | None) -> ToolPlan | None:
-    """Check tools and tool_choice (BadRequest names what is wrong); None without tools."""
+def tool_plan(
+    tools: object, tool_choice: object, parallel: bool | None, pending: list[SchemaToCheck]
+) -> ToolPlan | None:
+    """Check tools and tool_choice (BadRequest names what is wrong); None without tools. The
+    schemas decoding is constrained to are added to `pending` (structured.py)."""
     if not tools:
         _require(tool_choice in (None, "none"), "tool_choice needs tools.", "tool_choice")
         return None
@@ -57,9 +60,10 @@ def tool_plan(tools: object, tool_choice: object, parallel: bool | None) -> Tool
     mode, named = _choice(tool_choice, names)
     if mode == "named":
         params = functions[names.index(named)].get("parameters", _EMPTY_PARAMETERS)
-        schema = checked_schema(params, f"tools[{names.index(named)}].function.parameters")
+        param = f"tools[{names.index(named)}].function.parameters"
+        schema = checked_schema(params, param, pending)
     elif mode == "required":
-        schema = _required_schema(functions, parallel)
+        schema = _required_schema(functions, parallel, pending)
     else:
         schema = None
     plain = tuple({"type": "function", "function": f} for f in functions)
@@ -105,9 +109,12 @@ def _choice(choice: object, names: list[str]) -> tuple[str, str | None]:
     return "named", name
 
 
-def _required_schema(functions: list[dict], parallel: bool | None) -> str:
+def _required_schema(
+    functions: list[dict], parallel: bool | None, pending: list[SchemaToCheck]
+) -> str:
     for i, f in enumerate(functions):  # each one alone first, so a 400 names the tool
-        checked_schema(f.get("parameters", _EMPTY_PARAMETERS), f"tools[{i}].function.parameters")
+        params = f.get("parameters", _EMPTY_PARAMETERS)
+        checked_schema(params, f"tools[{i}].function.parameters", pending)
     calls = [
         {
             "type": "object",
@@ -123,7 +130,7 @@ def _required_schema(functions: list[dict], parallel: bool | None) -> str:
     schema = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if parallel is False:
         schema["maxItems"] = 1
-    return checked_schema(schema, "tools")
+    return checked_schema(schema, "tools", pending)
 
 
 def _require(ok: bool, message: str, param: str) -> None:
@@ -156,16 +163,24 @@ class OutputConstraints:
 
     json_schema: str | None = None  # decoding is constrained to it
     tools: ToolPlan | None = None
+    schemas: tuple[SchemaToCheck, ...] = ()  # to compile before it is generated (check_schemas)
+
+
+def completion_output(response_format: object) -> OutputConstraints:
+    """Check response_format (BadRequest names the field)."""
+    pending: list[SchemaToCheck] = []
+    return OutputConstraints(response_schema(response_format, pending), None, tuple(pending))
 
 
 def chat_output(
     response_format: object, tools: object, tool_choice: object, parallel
 ) -> OutputConstraints:
     """Check response_format, tools and tool_choice together (BadRequest names the field)."""
-    plan = tool_plan(tools, tool_choice, parallel)
-    schema = response_schema(response_format)
+    pending: list[SchemaToCheck] = []
+    plan = tool_plan(tools, tool_choice, parallel, pending)
+    schema = response_schema(response_format, pending)
     if plan is not None and plan.json_schema is not None:
         msg = "response_format cannot be combined with a required or named tool_choice."
         _require(schema is None, msg, "response_format")
         schema = plan.json_schema
-    return OutputConstraints(schema, plan)
+    return OutputConstraints(schema, plan, tuple(pending))
