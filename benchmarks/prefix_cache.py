@@ -57,11 +57,20 @@ def _pcts(values: list[float]) -> dict:
 async def ttft_alone(engine: Engine, pkg: Package, args, system: list[int]) -> dict:
     rng, vocab = random.Random(1), pkg.spec.vocab_size
     await timed(engine, system + _turn(rng, vocab, args.turn_tokens), 2)  # caches the system
-    ttfts = []
+    ttfts, first_steps = [], []
     for _ in range(args.probes):
+        engine.recent_timings.clear()
         ttft, _ = await timed(engine, system + _turn(rng, vocab, args.turn_tokens), 2)
         ttfts.append(ttft)
-    return {"ttft_ms": round(statistics.median(ttfts) * 1e3, 2)}
+        # rank 0's (execute_s, gpu_s) of the prefill, the longest of the probe's steps (the
+        # first may be a step that only releases the previous probe)
+        first_steps.append(max(engine.recent_timings))
+    # Where the first token's time goes: the rank's whole step (execute) and its GPU part.
+    return {
+        "ttft_ms": round(statistics.median(ttfts) * 1e3, 2),
+        "first_step_execute_ms": round(statistics.median(t[0] for t in first_steps) * 1e3, 2),
+        "first_step_gpu_ms": round(statistics.median(t[1] for t in first_steps) * 1e3, 2),
+    }
 
 
 async def shared_system(engine: Engine, pkg: Package, args, system: list[int]) -> dict:
