@@ -133,7 +133,7 @@ class StepExecutor:
                 token_ids, feeds = [0], True
             else:
                 token_ids = _input_tokens(s, state)
-                if s.token_ids and _grammar_ready(state):
+                if _replays_output(s, state) and _grammar_ready(state):
                     state.grammar.replay(list(s.token_ids), s.start_pos)
             inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row))
             if s.sample:
@@ -265,6 +265,13 @@ class StepExecutor:
         result.execute_s = time.perf_counter() - launched.started
         result.idle_before_s = launched.idle_before_s
         return result
+
+
+def _replays_output(s: wire_pb2.SeqStep, state: SeqState) -> bool:
+    """Whether s brings output tokens its matcher has not consumed (a recompute): only then
+    must the launch wait for the grammar; a prompt chunk goes on while it compiles."""
+    g = state.grammar
+    return g is not None and s.start_pos + len(s.token_ids) > g.next_pos
 
 
 def _grammar_ready(state: SeqState) -> bool:
