@@ -12,6 +12,8 @@
 #   PART=structured  issue 17's structured-output overhead (benchmarks.structured): 256-token
 #                json_schema answers against 256-token free text, at 1 and 64 streams, through
 #                orbit serve --device cuda; writes structured.json (not part of "all")
+#   PART=prefix  issue 18's prefix caching, cache off against on over one set of ranks
+#                (benchmarks.prefix_cache); writes prefix_cache.json (not part of "all")
 # Run from the repository root with the kit carried: source .gpu/bootstrap.sh first.
 set -uo pipefail
 out=${OUT:-gpu-out}
@@ -54,9 +56,15 @@ structured_part() {
     --new-tokens 256 --prompt-tokens 512 --out "$out/structured.json" 2>&1 \
     | tee "$out/structured.log"
 }
+prefix_part() {
+  date -u +"%T prefix" >&2
+  timeout "${PREFIX_TIMEOUT:-400}" python3 -m benchmarks.prefix_cache --package "$pkg" \
+    --device cuda --out "$out" 2>&1 | tee "$out/prefix.log"
+}
 case "${PART:-all}" in
 engine) engine_part ;;
 http) http_part ;;
 structured) structured_part ;;
+prefix) prefix_part ;;
 all) http_part; levels=${REF_LEVELS:-64,256} engine_part ;;
 esac
