@@ -36,6 +36,7 @@ are cached by schema text (xgrammar's compiler cache, at most COMPILER_CACHE_BYT
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -113,9 +114,10 @@ class GrammarMasks:
         vocab_size: int,
         max_batch: int,
         device: torch.device,
+        threads: int | None = None,
     ):
         """vocab_size: the logits' width (padded vocabulary); ids past the tokenizer's are
-        never allowed."""
+        never allowed. threads: that fill a step's masks (None: mask_threads())."""
         self.tokenizer_dir, self.stop_token_ids = tokenizer_dir, list(stop_token_ids)
         self.vocab_size, self.max_batch, self.device = vocab_size, max_batch, device
         self._compiler = None
@@ -128,6 +130,8 @@ class GrammarMasks:
         self._dev = (
             self._host if device.type == "cpu" else torch.empty_like(self._host, device=device)
         )
+        self._batch = None  # xgrammar.BatchGrammarMatcher, made on the first mask
+        self.threads = mask_threads() if threads is None else threads
 
     def start(self, grammar: wire_pb2.Grammar) -> SeqGrammar:
         """The sequence's grammar, compiling in the background: its first masked row waits for
@@ -171,15 +175,36 @@ class GrammarMasks:
         n = len(rows)
         host = self._host[:n]
         host.fill_(_ALL_ALLOWED)
-        for i, g in enumerate(rows):
-            if g is not None and not g.terminated:
-                g.matcher.fill_next_token_bitmask(self._host, i)
+        live = [(i, g.matcher) for i, g in enumerate(rows) if g is not None and not g.terminated]
+        threads = self.threads
+        if len(live) > 1 and threads > 1:
+            # One row's mask costs tens to hundreds of µs (more inside a JSON string): a batch's
+            # rows are filled by xgrammar's threads, not one by one on the step loop's thread.
+            if self._batch is None:
+                import xgrammar as xgr
+
+                self._batch = xgr.BatchGrammarMatcher(max_threads=threads)
+            self._batch.batch_fill_next_token_bitmask(
+                [m for _, m in live], self._host, [i for i, _ in live]
+            )
+        else:
+            for i, matcher in live:
+                matcher.fill_next_token_bitmask(self._host, i)
         dev = self._dev[:n]
         if dev is not host:
             # Safe to refill the host rows next step: the rank reads this step's samples back
             # (ranks/steps.py) before it masks again, and this copy precedes them on the stream.
             dev.copy_(host, non_blocking=True)
         apply_bitmask(logits, dev)
+
+
+def mask_threads() -> int:
+    """Threads that fill a step's masks: half the cores this process may use (the rest run
+    the step loop and its neighbours), at most 8 (beyond, a batch's rows are too few)."""
+    return max(1, min(8, _cores // 2))
+
+
+_cores = len(os.sched_getaffinity(0))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -175,3 +175,28 @@ def test_a_schema_the_rank_cannot_compile_fails_its_sequence_alone(executor, pro
 
     tok = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
     assert tok.decode([samples[2].token_id]).startswith("{")
+
+
+def test_masks_filled_by_several_threads_equal_one_by_one(smol_pkg):
+    """A step's rows are filled by xgrammar's threads where the host has cores to spare; the
+    masks must be those of filling the rows one by one, whatever state each matcher is in."""
+    from transformers import AutoTokenizer
+
+    pkg = open_package(smol_pkg)
+    tok = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    eos, vocab = list(pkg.manifest.tokenizer.eos_token_ids), pkg.spec.padded_vocab_size
+    grammar = wire_pb2.Grammar(json_schema=json.dumps(SCHEMAS[0]), num_prompt_tokens=0)
+    prefixes = ['{"name": "Al', '{"name": "Alice", "age": 3', '{"name": "Bo", "age": 7, "pets": [']
+    prefixes += ["", '{"', '{"name": "Zed", "age": 120, "pets": ["cat"]}']
+    logits = {}
+    for threads in (1, 3):
+        masks = GrammarMasks(pkg.tokenizer_dir, eos, vocab, 8, torch.device("cpu"), threads)
+        rows = [masks.start(grammar) for _ in prefixes]
+        for row, text in zip(rows, prefixes):
+            for pos, token_id in enumerate(tok(text, add_special_tokens=False).input_ids):
+                row.accept(token_id, pos)
+        logits[threads] = torch.zeros(len(rows) + 1, vocab)
+        masks.mask(logits[threads], [*rows, None])  # and an unconstrained row
+    allowed = torch.isfinite(logits[1])
+    assert torch.equal(allowed, torch.isfinite(logits[3]))
+    assert allowed[-1].all() and not allowed[:-1].all(dim=1).any()
