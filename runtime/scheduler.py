@@ -221,6 +221,7 @@ class Scheduler:
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
                 self.running.append(seq)
+                self._count_hits(seq)
             chunks.append(self._chunk(seq, n, step_id))
             budget -= n
         released, self._released = self._released, []
@@ -245,11 +246,14 @@ class Scheduler:
         seq.num_registered = len(pages)
         seq.num_computed = len(pages) * ps
         self._pending_pages[seq.seq_id] = len(pages)
-        if seq.cached_tokens is None:
-            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
-            cache.prompt_tokens += len(seq.prompt_ids)
-            cache.hit_tokens += seq.cached_tokens
         return True
+
+    def _count_hits(self, seq: Sequence) -> None:
+        """On a sequence's first admission: its prompt tokens that came from the cache."""
+        if self.cache is not None and seq.cached_tokens is None:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            self.cache.prompt_tokens += len(seq.prompt_ids)
+            self.cache.hit_tokens += seq.cached_tokens
 
     def _decoding(self) -> list[Sequence]:
         return [
