@@ -77,10 +77,6 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def token(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
-
     def tokens(self, i: int, j: int) -> list[int]:
         n = len(self.prompt_ids)
         if j <= n:
@@ -118,7 +114,7 @@ class SeqChunk:
     def token_ids(self) -> list[int]:
         if self.follows_sample:
             return []
-        return [self.seq.token(i) for i in range(self.start_pos, self.start_pos + self.num_tokens)]
+        return self.seq.tokens(self.start_pos, self.start_pos + self.num_tokens)
 
 
 @dataclass
