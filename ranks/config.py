@@ -17,7 +17,7 @@ class RankConfig:
     kv_pages: int  # 0: size from free memory (cuda) or from kv_cache_mb (cpu)
     kv_cache_mb: int
     heartbeat_s: float
-    threads: int  # torch intra-op threads on CPU; 0 leaves torch's default
+    threads: int  # torch intra-op threads on CPU; 0 leaves torch's default (CUDA ranks: 1)
     exit_with_parent: bool  # local ranks of `orbit serve` end when the frontend process does
     trusted_keys: tuple[str, ...]  # Ed25519 public keys; non-empty: the package must be signed
     curve_dir: str  # client-R.key_secret + server.key (runtime/curve.py): the link's CURVE keys

@@ -2,9 +2,10 @@
 this one's samples reach the host:
 
 - `launch(plan, previous)`: apply the plan's sequence changes, build the inputs, run the model
-  and draw the samples. On CUDA nothing here waits for the GPU: the tokens stay on the device,
-  a copy to pinned host memory is queued behind them, and a `follows_sample` row whose token
-  the previous (still unfinished) step draws is fed from the device (runner.feed + fed_row).
+  (`forward`) and draw the samples (`draw`). On CUDA nothing here waits for the GPU, except a
+  masked draw (below): the tokens stay on the device, a copy to pinned host memory is queued
+  behind them, and a `follows_sample` row whose token the previous (still unfinished) step
+  draws is fed from the device (runner.feed + fed_row).
 - `finish(launched)`: wait for that copy, remember each sequence's token (what a later
   `follows_sample` row of a finished step uses), and build the StepResult.
 
@@ -20,8 +21,10 @@ A sequence with a grammar (structured output, runtime/grammar.py) has its logits
 the draw, which needs its matcher to have consumed every earlier sample. So a step with a
 constrained row first makes sure the previous step's tokens were accepted (`_accept`): the model
 of this step is already queued when the rank waits for them, so on a GPU the forward runs while
-the host reads the previous samples and fills the masks. Tokens are accepted once per step, in
-`_accept`, called from the next launch or from finish, whichever comes first. A new sequence's
+the host reads the previous samples and fills the masks. The rank reports the previous step
+between the two (ranks/worker.py), so the frontend plans the next step meanwhile. Tokens are
+accepted once per step, in `_accept`, called from the next draw or from finish, whichever
+comes first. A new sequence's
 grammar compiles in the background from the moment it joins; its first masked row waits for
 it (`_grammar_ready`), on every rank at the same row, so the ranks stay in lock-step.
 
@@ -72,10 +75,16 @@ class Launched:
     copied: torch.cuda.Event | None = None
     gpu_start: torch.cuda.Event | None = None
     accepted: bool = False  # the rows' tokens went into their grammar matchers
+    logits: torch.Tensor | None = None  # between forward and draw
 
     def __post_init__(self) -> None:
         # A scan of rows per follows_sample row of the next step would be quadratic in batch.
         self._row_by_seq = {seq_id: i for i, (seq_id, _, _) in enumerate(self.rows)}
+
+    @property
+    def masked(self) -> bool:
+        """Whether a row is constrained: its draw waits for the previous step's tokens."""
+        return any(state.grammar is not None for _, state, _ in self.rows)
 
     def row_of(self, seq_id: int) -> int:
         """This step's sampling row of seq_id, or -1."""
@@ -118,7 +127,16 @@ class StepExecutor:
     def launch(
         self, plan: wire_pb2.StepPlan, previous: Launched | None, idle_before_s: float = 0.0
     ) -> Launched:
-        """idle_before_s: how long the rank had nothing queued before this plan arrived."""
+        """Run the plan's model step and draw its samples (forward, then draw)."""
+        launched = self.forward(plan, previous, idle_before_s)
+        self.draw(launched, previous)
+        return launched
+
+    def forward(
+        self, plan: wire_pb2.StepPlan, previous: Launched | None, idle_before_s: float = 0.0
+    ) -> Launched:
+        """Apply the plan's sequence changes and queue its model step; `draw` samples it.
+        idle_before_s: how long the rank had nothing queued before this plan arrived."""
         started = time.perf_counter()
         for seq_id in plan.release_seq_ids:
             self.seqs.pop(seq_id, None)
@@ -149,13 +167,19 @@ class StepExecutor:
         logits = self.runner.step(inputs) if inputs else None
         launched = Launched(plan.step_id, started, rows, None, None, errors, gpu_start=gpu_start)
         launched.idle_before_s = idle_before_s
-        if rows:
-            if any(state.grammar is not None for _, state, _ in rows):
-                self._mask(launched, logits, previous)
-            self._draw(launched, logits)
-            if launched.drawn is not None:
-                self._accept(launched)
+        launched.logits = logits
         return launched
+
+    def draw(self, launched: Launched, previous: Launched | None) -> None:
+        """Mask (once `previous`'s tokens are accepted) and draw the rows of a forward step."""
+        logits, launched.logits = launched.logits, None
+        if not launched.rows:
+            return
+        if launched.masked:
+            self._mask(launched, logits, previous)
+        self._draw(launched, logits)
+        if launched.drawn is not None:
+            self._accept(launched)
 
     def _new_state(self, p: wire_pb2.SamplingParams) -> SeqState:
         params = SamplingParams(

@@ -80,8 +80,7 @@ class Rank:
             raise ValueError(
                 f"the package is for TP {pkg.tp_size}, the rank was started for {cfg.tp_size}"
             )
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(rank_threads(cfg))
         if cfg.device == "cuda":
             torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES leaves each rank one GPU: device 0
         phases.enter(wire_pb2.PHASE_JOIN_GROUP)
@@ -208,9 +207,7 @@ class Rank:
                 elif poller.poll(0):
                     msg = self._recv()
                     if msg.WhichOneof("kind") == "step":
-                        launched = self.steps.launch(msg.step, pending)
-                        self._report(pending)
-                        pending = launched
+                        pending = self._launch_behind(msg.step, pending)
                         continue
                     self._report(pending)
                     pending, idle_since = None, time.perf_counter()
@@ -229,6 +226,21 @@ class Rank:
                 pending = self.steps.launch(msg.step, None, time.perf_counter() - idle_since)
             elif not self._control(msg):
                 return
+
+    def _launch_behind(self, plan: wire_pb2.StepPlan, pending: Launched) -> Launched:
+        """Queue plan's step behind the unfinished `pending`, and report pending. A step whose
+        draw is masked needs pending's tokens first anyway: pending is reported as soon as they
+        are read, before the masks are filled, so the frontend plans the step after next while
+        this rank fills them. Otherwise the draw is queued first and the report waits for the
+        GPU behind it."""
+        launched = self.steps.forward(plan, pending)
+        if launched.masked:
+            self._report(pending)
+            self.steps.draw(launched, pending)
+        else:
+            self.steps.draw(launched, pending)
+            self._report(pending)
+        return launched
 
     def _recv(self) -> wire_pb2.ToRank:
         msg = wire_pb2.ToRank()
@@ -258,6 +270,15 @@ class Rank:
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def rank_threads(cfg: RankConfig) -> int:
+    """torch's intra-op threads: --threads on CPU (0: every core). A CUDA rank gets one: its
+    host tensors are small, and an OpenMP team on every core, spinning after each parallel op,
+    took the cores from the threads that fill grammar masks (runtime/grammar.py)."""
+    if cfg.device == "cuda":
+        return 1
+    return cfg.threads or torch.get_num_threads()
 
 
 def rendezvous_store(dist_init: str, rank: int, tp_size: int, timeout: timedelta) -> dist.Store:

@@ -64,6 +64,8 @@ class LocalRanks:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         dist_init = f"tcp://127.0.0.1:{free_port()}"
         threads = self.opts.threads or default_rank_threads(os.cpu_count() or 1, self.tp_size)
+        if self.opts.device != "cpu":
+            threads = 0  # a CUDA rank sets its own (ranks/worker.py rank_threads)
         for rank in range(self.tp_size):
             cmd = [
                 sys.executable,
