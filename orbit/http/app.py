@@ -511,6 +511,7 @@ class _Frontend:
         outputs = self.engine.generate(f"{call.id}-{index}", prompt_ids, plan.params[index])
         timer = _TokenTimer(self.metrics, started_s)
         tokens: list[GeneratedToken] = []
+        first = True
         try:
             async for out in outputs:
                 if out.cached_tokens:
@@ -522,9 +523,11 @@ class _Frontend:
                 if finish and not text_stream.stopped:
                     text += text_stream.finish()
                     finish = "stop" if text_stream.stopped else finish
-                if text or finish:
+                # The first token goes out at once even without text (a partial character, an
+                # id the tokenizer lacks), so the client's time to first token is the engine's.
+                if text or finish or first:
                     yield ChoiceDelta(index, text, tokens, finish)
-                    tokens = []
+                    tokens, first = [], False
                 if finish:
                     return
             raise EngineError("the engine ended a sequence without a finish reason")
