@@ -36,16 +36,24 @@ def sample_tokens(
     logits: torch.Tensor, params: list[SamplingParams], positions: list[int]
 ) -> torch.Tensor:
     """The sampled token ids [n] (int64), left on the GPU: nothing here waits for the GPU
-    (the host-side parameters go up in small copies), so the caller can queue the next step
-    before the tokens are read."""
+    (the host-side parameters go up in small asynchronous copies, `_up`), so the caller can
+    queue the next step before the tokens are read."""
     tokens = logits.argmax(dim=-1)  # [n]; rows that sample overwrite theirs below
     drawn_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
     if drawn_rows:
-        rows = torch.tensor(drawn_rows, device=logits.device)
+        rows = _up(drawn_rows, torch.int64, logits.device)
         sub = [params[i] for i in drawn_rows]
         seeds = [token_seed(p.seed, positions[i]) for i, p in zip(drawn_rows, sub)]
         tokens.index_copy_(0, rows, _draw(logits.index_select(0, rows), sub, seeds))
     return tokens
+
+
+def _up(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A short host list on the device without waiting for the GPU. torch.tensor(..., device=)
+    copies from pageable memory and synchronizes the stream: a sampled step's launch then
+    waited for its own forward pass, and the rank reported the step before it that much later.
+    (The pinned block is not reused before the copy is done: torch's host allocator tracks it.)"""
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) -> torch.Tensor:
@@ -53,7 +61,7 @@ def _draw(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int]) 
 
     probs = filtered_probs(logits, params)
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    seeds_t = torch.tensor(seeds, dtype=torch.int64, device=logits.device)
+    seeds_t = _up(seeds, torch.int64, logits.device)
     triton_kernels.exponential_race(probs, seeds_t, out)
     return out
 
@@ -66,15 +74,15 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     dev, vocab = logits.device, logits.shape[-1]
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
-        k = torch.tensor(ks, device=dev)
+        k = _up(ks, torch.int64, dev)
         top = torch.topk(logits, max(ks), dim=-1).values  # [m, max k], descending
         kth = top.gather(1, (k.clamp(min=1) - 1)[:, None])
         kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+    temps = _up([p.temperature for p in params], torch.float32, dev)
     probs = softmax(logits, temperature=temps)
     if any(p.top_p < 1.0 for p in params):
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        top_p = _up([p.top_p for p in params], torch.float32, dev)
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         drop = top_p_drop(sorted_probs, top_p[:, None])
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
