@@ -26,8 +26,8 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
     out = tmp_path / "sweep.json"
     args = ["--url", tiny_server.url, "--server-pid", str(tiny_server.proc.pid)]
     args += ["--concurrency", "1,4", "--prompt-tokens", "16", "--new-tokens", str(NEW_TOKENS)]
-    args += ["--client-procs", "1", "--gpu-busy", "off", "--out", str(out)]
-    report = serving_sweep.main(args)
+    args += ["--client-procs", "1", "--gpu-busy", "off", "--ttft-prompt-tokens", "32"]
+    report = serving_sweep.main(args + ["--out", str(out)])
 
     assert json.loads(out.read_text()) == report
     assert [level["concurrency"] for level in report["levels"]] == [1, 4]
@@ -45,6 +45,10 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
         assert "core" in roles and not any("-m ranks" in p["cmd"] for p in cpu["processes"])
         by_role = sum(cpu["us_per_token_by_role"].values())
         assert by_role == pytest.approx(cpu["us_per_token"], abs=0.01)
+    probe = report["ttft_probe"]
+    assert probe["failures"] == 0
+    for key in ("ttft_ms", "openai_client_ttft_ms"):
+        assert 0 < probe[key]["p50"] <= probe[key]["p99"]
 
 
 def test_chunk_tokens_exact_where_said_else_spread():
