@@ -304,8 +304,8 @@ class _Call:
 
 def _json_encoder() -> Callable[[object], str]:
     """JSON text as json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode writes it. Its
-    C encoder is made once here rather than on every call as encode() does: a third of the
-    cost of each streamed chunk."""
+    C encoder is made once here rather than on every call as encode() does, which was most of
+    the cost of encoding a streamed chunk (about 3 of 4.7 µs)."""
     encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
     make = json.encoder.c_make_encoder
     if make is None:  # a Python without the _json accelerator
