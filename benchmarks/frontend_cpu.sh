@@ -3,7 +3,8 @@
 # streams of a tiny model (--device cpu), this tree against an older one, on the same machine
 # and package. Run from the repository root:
 #   BASE=/path/to/older/checkout bash benchmarks/frontend_cpu.sh
-# BASE may also be a `git archive` tarball. Results under $OUT (default cpu-out): sweep-new.json,
+# BASE may also be a `git archive` tarball. API_SERVERS=N serves this tree with --api-servers N
+# (default: its own default). Results under $OUT (default cpu-out): sweep-new.json,
 # sweep-base.json and the two summaries. Give it a machine with cores to spare (the ranks, the
 # clients and the frontend each want their own): on two cores they contend and the figure
 # measures the contention.
@@ -35,7 +36,8 @@ python3 -m orbit prepare "$work/llama" --tp 1 --out "$work/pkg" >/dev/null
 load=(--concurrency 32 --prompt-tokens 16 --new-tokens 128 --client-procs 2 --vocab-size 4000
   --gpu-busy off)
 serve_args="--device cpu --kv-pages 4096 --threads ${THREADS:-2}"
-python3 -m benchmarks.serving_sweep --serve "$work/pkg" --serve-args "$serve_args" "${load[@]}" \
+new_args="$serve_args${API_SERVERS:+ --api-servers $API_SERVERS}"
+python3 -m benchmarks.serving_sweep --serve "$work/pkg" --serve-args "$new_args" "${load[@]}" \
   --out "$out/sweep-new.json" 2>&1 | tail -12 | tee "$out/new.txt"
 port=$((20000 + RANDOM % 20000))
 (cd "$base" && exec setsid python3 -m orbit serve "$work/pkg" --port $port $serve_args) \

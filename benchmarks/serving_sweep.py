@@ -13,7 +13,8 @@ output token over the time from the first request sent to the last token receive
 TTFT and inter-token latency p50/p90/p99, failures; on CUDA the GPU's busy share between the
 level's first and last token (nvidia-smi every 200 ms); given the server's pid (or with
 --serve) the frontend processes' CPU time per streamed token (the `orbit serve` process and its
-descendants, the ranks and theirs excluded), split by process.
+descendants, the ranks and theirs excluded), split by process, measured once the frontend has
+gone idle after the warm-up (its start-up work is not per-token work).
 
 Tokens per chunk: a chunk may carry several tokens. A chunk's count is exact where the chunk
 says it: the change in `usage.completion_tokens` when the server puts usage on every chunk
@@ -380,6 +381,27 @@ def _role(pid: int, root_pid: int, cmd: str) -> str:
     return "api_server" if _runs_module(cmd.split(), "orbit.http") else "other"
 
 
+# Before the first level, the frontend must idle below this share of one core for a second:
+# after /health is 200 an API server may still be starting its schema-check child, which
+# imports xgrammar and torch (about a CPU-second each), a start-up cost and not a per-token one.
+QUIET_CPU_FRAC = 0.05
+QUIET_MAX_WAIT_S = 120.0
+
+
+def wait_quiet(root_pid: int) -> float:
+    """Wait (at most QUIET_MAX_WAIT_S) until the frontend processes idle; returns the seconds
+    waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < QUIET_MAX_WAIT_S:
+        before = process_tree(root_pid, skip_ranks=True)
+        time.sleep(1.0)
+        after = process_tree(root_pid, skip_ranks=True)
+        used_s = sum(cpu_s - before.get(pid, ("", 0.0))[1] for pid, (_, cpu_s) in after.items())
+        if used_s < QUIET_CPU_FRAC:
+            break
+    return round(time.monotonic() - started, 1)
+
+
 def frontend_cpu(before: dict, after: dict, root_pid: int, num_tokens: int) -> dict:
     """CPU time per streamed token between two process_tree() readings, in all and per process.
     A process that ended in between is missed; one that started counts from zero."""
@@ -586,6 +608,8 @@ def http_levels(args, levels: list[int], url: str, server_pid: int | None) -> tu
         gpu = stack.enter_context(GpuSampler(args.gpu_ids)) if use_gpu_sampler(args) else None
         pool = stack.enter_context(ClientPool(num_procs))
         warm_up(pool, base, num_procs)
+        if server_pid:
+            print(f"frontend idle after {wait_quiet(server_pid)} s", file=sys.stderr, flush=True)
         results = []
         for concurrency in levels:
             first_salt = REQUESTS_PER_STREAM * sum(levels[: len(results)])

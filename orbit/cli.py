@@ -191,7 +191,10 @@ def serve(
     ] = 30.0,
     api_servers: Annotated[
         int,
-        typer.Option(help="HTTP API server processes; 0: one per four cores, 1 to 4."),
+        typer.Option(
+            help="HTTP API server processes; 0: 1 with --device cpu, else one per four cores, "
+            "1 to 4."
+        ),
     ] = 0,
     cache_dir: Annotated[
         Path, typer.Option(help="Where packages prepared from checkpoints are kept.")

@@ -62,7 +62,7 @@ class ServeOptions:
     ranks: LocalRankOptions = field(default_factory=LocalRankOptions)
     model_name: str = ""  # comma-separated ids, the listed one first; "": from the source name
     api_key: str | None = None
-    api_servers: int = 0  # 0: default_api_servers() for this machine
+    api_servers: int = 0  # 0: default_api_servers() for this machine and device
     ready_timeout_s: float = 600.0
     drain_timeout_s: float = 30.0
     log_dir: Path | None = None
@@ -119,9 +119,9 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
         max_seq_len=max_seq_len,
     )
     config.save(run_dir / "api-server.json")
-    api_servers = ApiServers(
-        opts.api_servers or default_api_servers(), run_dir / "api-server.json", listener, api_link
-    )
+    ranks_on_cpu = target is None and opts.ranks.device == "cpu"
+    count = opts.api_servers or default_api_servers(ranks_on_cpu)
+    api_servers = ApiServers(count, run_dir / "api-server.json", listener, api_link)
     api_servers.start()
     log.info(
         "serving %s as %s (context %d tokens); starting its ranks",

@@ -17,11 +17,17 @@ import zmq
 import zmq.asyncio
 
 from orbit.core.api_link import ApiLink
+from orbit.core.api_servers import default_api_servers
 from orbit.core.engine import Engine, EngineConfig
 from proto import core_pb2, wire_pb2
 from tests.server import ServerProcess, alive, children
 
 MAX_TOKENS = 200
+
+
+def test_one_api_server_by_default_where_the_ranks_use_the_cpu():
+    assert default_api_servers(ranks_on_cpu=True) == 1
+    assert 1 <= default_api_servers(ranks_on_cpu=False) <= 4
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,13 @@ WATCH_INTERVAL_S = 0.2
 RESTART_PAUSE_S = 1.0
 
 
-def default_api_servers() -> int:
+def default_api_servers(ranks_on_cpu: bool) -> int:
     """One per four cores, between 1 and 4: the core, the ranks' host threads and the HTTP
-    clients' share of the machine need the rest."""
+    clients' share of the machine need the rest. One where the ranks compute on this machine's
+    CPU: they take every core but the frontend's one (local_ranks.FRONTEND_CORES), and more API
+    servers on it only add their own per-step and idle costs (docs/performance.md)."""
+    if ranks_on_cpu:
+        return 1
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 

@@ -37,7 +37,7 @@ from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from orbit.http.access_log import AccessLogMiddleware, note_tokens
-from orbit.http.async_streams import close, merge, prepend
+from orbit.http.async_streams import close, merge
 from orbit.http.core_client import (
     CoreClient,
     EngineError,
@@ -295,14 +295,29 @@ class _Call:
         """A chunk's JSON up to its choices, encoded once per call rather than per token."""
         return _json(self.body(self.fmt.chunk_object, []))[: -len("[]}")]
 
-    def chunk(self, choices: list[dict], **extra) -> str:
-        if self.plan.include_usage:
-            extra.setdefault("usage", None)  # as OpenAI: every chunk has usage, null but the last
-        tail = "".join(f", {_json(k)}: {_json(v)}" for k, v in extra.items())
+    def chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        """One SSE event. With include_usage every chunk has usage, as OpenAI's: null but on
+        the last, which has no choices."""
+        tail = f', "usage": {_json(usage)}' if self.plan.include_usage else ""
         return f"data: {self._chunk_head}{_json(choices)}{tail}}}\n\n"
 
 
-_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode
+def _json_encoder() -> Callable[[object], str]:
+    """JSON text as json.JSONEncoder(ensure_ascii=False, allow_nan=False).encode writes it. Its
+    C encoder is made once here rather than on every call as encode() does, which was most of
+    the cost of encoding a streamed chunk (about 3 of 4.7 µs)."""
+    encoder = json.JSONEncoder(ensure_ascii=False, allow_nan=False)
+    make = json.encoder.c_make_encoder
+    if make is None:  # a Python without the _json accelerator
+        return encoder.encode
+    # Arguments: markers (no cycle check: our bodies are trees), default, string encoder,
+    # indent, key and item separators, sort_keys, skipkeys, allow_nan.
+    encode = make(None, encoder.default, json.encoder.encode_basestring, None, ": ", ", ",
+                  False, False, False)  # fmt: skip
+    return lambda obj: "".join(encode(obj, 0))
+
+
+_json = _json_encoder()
 
 
 def _sse(payload: dict) -> str:
@@ -558,22 +573,23 @@ class _Frontend:
         except (EngineError, RequestTooLarge) as exc:
             raise _engine_refusal(call.id, exc) from None
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **self.headers}
-        events = self._sse_events(call, prepend(first, deltas), request.state)
+        events = self._sse_events(call, first, deltas, request.state)
         return _ClosingStreamingResponse(events, media_type="text/event-stream", headers=headers)
 
     async def _sse_events(
-        self, call: _Call, deltas: AsyncIterator[ChoiceDelta], state
+        self, call: _Call, first: ChoiceDelta, deltas: AsyncIterator[ChoiceDelta], state
     ) -> AsyncIterator[str]:
-        completion_tokens = 0
+        """The stream's events: `first` (taken before the headers went out), then the rest of
+        `deltas`, each as it comes."""
+        completion_tokens = len(first.tokens)
         ended = False
         try:
             for choice in call.fmt.opening_choices(len(call.plan.params)):
                 yield call.chunk([choice])
+            yield _delta_chunk(call, first)
             async for d in deltas:
                 completion_tokens += len(d.tokens)
-                note_tokens(state, tokens_out=completion_tokens)
-                delta = call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason, d.tool_calls)
-                yield call.chunk([delta])
+                yield _delta_chunk(call, d)
             if call.plan.include_usage:
                 yield call.chunk([], usage=call.usage(completion_tokens))
             ended = True
@@ -581,6 +597,7 @@ class _Frontend:
             ended = True
             yield _sse(self._stream_error(call.id, exc).body())
         finally:
+            note_tokens(state, tokens_out=completion_tokens)
             if not ended:
                 self.metrics.aborted.inc()
             await deltas.aclose()
@@ -592,6 +609,10 @@ class _Frontend:
             return _engine_refusal(call_id, exc)
         logger.exception("request %s failed while streaming", call_id)
         return InternalError("The server had an error while processing the request.")
+
+
+def _delta_chunk(call: _Call, d: ChoiceDelta) -> str:
+    return call.chunk([call.fmt.delta(d.index, d.text, d.tokens, d.finish_reason, d.tool_calls)])
 
 
 _FINISH_REASONS = {core_pb2.FINISH_STOP: "stop", core_pb2.FINISH_LENGTH: "length"}

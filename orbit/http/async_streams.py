@@ -1,6 +1,5 @@
 """Async-iterator plumbing of the HTTP layer: interleave the n choices' streams of a request
-(`merge`), put back an item already taken (`prepend`), and close an iterator that may have
-no aclose (`close`)."""
+(`merge`), and close an iterator that may have no aclose (`close`)."""
 
 from __future__ import annotations
 
@@ -10,15 +9,6 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
-
-
-async def prepend(first: T, rest: AsyncIterator[T]) -> AsyncIterator[T]:
-    try:
-        yield first
-        async for item in rest:
-            yield item
-    finally:
-        await rest.aclose()
 
 
 async def close(iterator) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,33 @@ def error_of(out: core_pb2.SeqOutput) -> Exception:
     return _ERRORS.get(out.error, EngineError)(out.error_message or "the engine core failed")
 
 
+class _Outputs:
+    """One sequence's outputs not taken yet. The reader puts one per step; the sequence's
+    generate() takes them. An asyncio.Queue costs several times this per output (its
+    unfinished-task count and the event behind it, a getter list), and every streamed token
+    passes here once."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self):
+        self.items: deque[core_pb2.SeqOutput] = deque()
+        self.waiter: asyncio.Future | None = None  # set while generate() waits for an output
+
+    def put(self, out: core_pb2.SeqOutput) -> None:
+        self.items.append(out)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> core_pb2.SeqOutput:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
 class CoreClient:
     def __init__(
         self,
@@ -116,7 +144,7 @@ class CoreClient:
         self.sock.setsockopt(zmq.IDENTITY, f"api-{index}-{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._queues: dict[int, asyncio.Queue] = {}
+        self._outputs: dict[int, _Outputs] = {}
         self._keys = itertools.count(1)
         self._status = core_pb2.CoreStatus()
         self._status_at = 0.0
@@ -145,8 +173,7 @@ class CoreClient:
         except ValueError as e:
             raise RequestTooLarge(f"a sampling parameter is out of range ({e})") from None
         key = next(self._keys)
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[key] = queue
+        outputs = self._outputs[key] = _Outputs()
         generate = core_pb2.Generate(
             seq_key=key,
             prompt_ids=prompt_ids,
@@ -158,7 +185,7 @@ class CoreClient:
         try:
             self._send(core_pb2.FromApiServer(generate=generate))
             while True:
-                out = await queue.get()
+                out = await outputs.get()
                 if out.error:
                     finished = True
                     raise error_of(out)
@@ -167,7 +194,7 @@ class CoreClient:
                 if finished:
                     return
         finally:
-            self._queues.pop(key, None)
+            self._outputs.pop(key, None)
             if not finished and not self._dead:
                 self._send(core_pb2.FromApiServer(abort=core_pb2.Abort(seq_keys=[key])))
 
@@ -198,8 +225,8 @@ class CoreClient:
         dead = core_pb2.SeqOutput(
             finish=core_pb2.FINISH_ERROR, error=core_pb2.ERROR_ENGINE_FAILED, error_message=why
         )
-        for queue in self._queues.values():
-            queue.put_nowait(dead)
+        for outputs in self._outputs.values():
+            outputs.put(dead)
 
     def close(self) -> None:
         for task in self._tasks:
@@ -237,11 +264,11 @@ class CoreClient:
                 continue
             kind = msg.WhichOneof("kind")
             if kind == "outputs":
-                queues = self._queues
+                by_key = self._outputs
                 for out in msg.outputs.outputs:
-                    queue = queues.get(out.seq_key)
-                    if queue is not None:
-                        queue.put_nowait(out)
+                    outputs = by_key.get(out.seq_key)
+                    if outputs is not None:
+                        outputs.put(out)
             elif kind == "status":
                 self._status, self._status_at = msg.status, time.monotonic()
             elif kind == "metrics":
