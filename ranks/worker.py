@@ -88,6 +88,8 @@ class Rank:
             group = self._join_group()
         runner, num_pages = self._load(pkg, group)
         self.steps = self._executor(runner, pkg)
+        if cfg.device == "cuda":
+            self._warm_up(pkg.spec.vocab_size)
         phases.enter(wire_pb2.PHASE_COLLECTIVES_CHECK)
         with self.watchdog.watch(wire_pb2.PHASE_COLLECTIVES_CHECK):
             check = self._check_collectives(pkg)
@@ -166,6 +168,16 @@ class Rank:
                 grammars,
             )
         return StepExecutor(runner, self.cfg.rank, self.device, sample, None, max_batch, grammars)
+
+    def _warm_up(self, vocab_size: int) -> None:
+        """Compile the kernels that run outside the graphs (the draw, the grammar mask) before
+        Ready, not inside the first request that needs them."""
+        from runtime import cuda_sampling
+
+        cuda_sampling.warm_up(vocab_size, self.device)
+        logits = torch.zeros(2, vocab_size, device=self.device)
+        self.steps.grammars.mask(logits, [None, None])  # all allowed: xgrammar's GPU kernel
+        torch.cuda.synchronize(self.device)
 
     def _check_collectives(self, pkg: Package) -> CollectivesCheck | None:
         if self.cfg.tp_size == 1:
