@@ -24,9 +24,9 @@ of this step is already queued when the rank waits for them, so on a GPU the for
 the host reads the previous samples and fills the masks. The rank reports the previous step
 between the two (ranks/worker.py), so the frontend plans the next step meanwhile. Tokens are
 accepted once per step, in `_accept`, called from the next draw or from finish, whichever
-comes first. A new sequence's
-grammar compiles in the background from the moment it joins; its first masked row waits for
-it (`_grammar_ready`), on every rank at the same row, so the ranks stay in lock-step.
+comes first. A new sequence's grammar compiles in the background from the moment it joins;
+its first masked row waits for it (`_grammar_ready`), on every rank at the same row, so the
+ranks stay in lock-step.
 
 A draw that raises fails only its own sequence: the batch is drawn again row by row, a row
 that still fails gets token 0 and an error in its Sample, and the frontend ends that sequence.
