@@ -58,8 +58,7 @@ def warm_up(vocab_size: int, device: torch.device) -> None:
         SamplingParams(temperature=0.7, top_p=0.9, top_k=20, seed=1),
         SamplingParams(temperature=1.0, seed=2, num_logprobs=2),
     ]
-    sample(logits, params, [0, 0])
-    torch.cuda.synchronize(device)
+    sample(logits, params, [0, 0])  # reads the tokens back: the kernels have run
 
 
 def _up(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
