@@ -102,6 +102,17 @@ def main() -> None:
     app()
 
 
+def _speculation(method: str, num_tokens: int):
+    from runtime.speculation import SpeculationConfig
+
+    if method == "off":
+        return None
+    try:
+        return SpeculationConfig(method=method, num_tokens=num_tokens)
+    except ValueError as e:
+        fail(f"--speculate/--spec-tokens: {e}.")
+
+
 def _check_tp_fast(source: Path, tp: int) -> None:
     """A --tp that cannot split the model fails here, from its header, before weights are read."""
     from prepare.source_header import check_source_tp
@@ -150,6 +161,16 @@ def serve(
         bool,
         typer.Option(help="Reuse the KV of prompt prefixes that earlier requests computed."),
     ] = True,
+    speculate: Annotated[
+        str,
+        typer.Option(
+            help="Speculative decoding: off, or ngram (propose what followed the sequence's "
+            "latest suffix earlier in its prompt and output)."
+        ),
+    ] = "off",
+    spec_tokens: Annotated[
+        int, typer.Option(help="Speculative decoding: the most proposals per step, 1 to 16.")
+    ] = 4,
     threads: Annotated[
         int, typer.Option(help="torch threads per CPU rank; 0: (cores - 1) / ranks, at least 1.")
     ] = 0,
@@ -219,6 +240,7 @@ def serve(
     from orbit.serve_checks import EarlyChecks, ServeArgError, early_checks
 
     api_key = _api_key(api_key, api_key_file, api_key_env)
+    speculation = _speculation(speculate, spec_tokens)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)
@@ -250,6 +272,7 @@ def serve(
         trusted_keys=tuple(trusted_key or ()),
         max_queue=max_queue,
         prefix_cache=prefix_cache,
+        speculation=speculation,
         cluster=cluster,
         api_servers=api_servers,
         log_level=log_level,

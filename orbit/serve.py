@@ -42,6 +42,7 @@ from orbit.http.server import ApiServerConfig
 from orbit.model_names import served_model_ids
 from orbit.serve_checks import max_model_len_message
 from runtime.package import open_package
+from runtime.speculation import SpeculationConfig
 
 log = logging.getLogger("orbit.serve")
 
@@ -69,6 +70,7 @@ class ServeOptions:
     trusted_keys: tuple[Path, ...] = ()  # non-empty: the package must be signed by one
     max_queue: int = 1024  # waiting requests beyond this get 429
     prefix_cache: bool = True
+    speculation: SpeculationConfig | None = None  # speculative decoding; None: off
     # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
     # ones (orbit/cluster/attach.py); `package` is then the one cluster.toml names.
     cluster: Path | None = None
@@ -99,6 +101,7 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
             eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
             max_queue=opts.max_queue,
             prefix_cache=opts.prefix_cache,
+            speculation=opts.speculation,
             cache_salt=bytes.fromhex(pkg.digest),
         ),
         None,

@@ -66,7 +66,8 @@ class Launched:
 
     step_id: int
     started: float  # perf_counter at launch
-    rows: list[tuple[int, SeqState, int]]  # sampling rows: (seq_id, state, predicted position)
+    # Sampling rows: (seq_id, state, predicted position); a verification row's are consecutive.
+    rows: list[tuple[int, SeqState, int]]
     tokens: torch.Tensor | None  # the rows' tokens on the runner's device (None: no rows)
     drawn: list[Sampled] | None  # set when sampled synchronously
     errors: dict[int, str] = field(default_factory=dict)  # row -> why its draw failed
@@ -79,6 +80,7 @@ class Launched:
 
     def __post_init__(self) -> None:
         # A scan of rows per follows_sample row of the next step would be quadratic in batch.
+        # A verification row's last draw is the sequence's latest sample.
         self._row_by_seq = {seq_id: i for i, (seq_id, _, _) in enumerate(self.rows)}
 
     @property
@@ -87,7 +89,7 @@ class Launched:
         return any(state.grammar is not None for _, state, _ in self.rows)
 
     def row_of(self, seq_id: int) -> int:
-        """This step's sampling row of seq_id, or -1."""
+        """This step's (last) sampling row of seq_id, or -1."""
         return self._row_by_seq.get(seq_id, -1)
 
 
@@ -153,9 +155,11 @@ class StepExecutor:
                 token_ids = _input_tokens(s, state)
                 if _replays_output(s, state) and _grammar_ready(state):
                     state.grammar.replay(list(s.token_ids), s.start_pos)
-            inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row))
-            if s.sample:
-                rows.append((s.seq_id, state, s.start_pos + len(token_ids)))
+            m = _num_samples(s, state, len(token_ids))
+            inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row, m))
+            end = s.start_pos + len(token_ids)
+            for pos in range(end - m + 1, end + 1):
+                rows.append((s.seq_id, state, pos))
                 if state.error:
                     errors[len(rows) - 1] = state.error
         if feeds:
@@ -309,6 +313,19 @@ def _grammar_ready(state: SeqState) -> bool:
         state.grammar, state.error = None, f"grammar: {e}"
         return False
     return True
+
+
+def _num_samples(s: wire_pb2.SeqStep, state: SeqState, num_tokens: int) -> int:
+    """The step's sampling rows for s: 0, 1, or a verification row's num_samples."""
+    if not s.sample:
+        return 0
+    m = max(s.num_samples, 1)
+    if m > 1 and (m > num_tokens or state.grammar is not None):
+        raise ValueError(
+            f"step plan: sequence {s.seq_id} samples {m} of its {num_tokens} tokens"
+            + (" with a grammar, whose matcher cannot take proposals" if m <= num_tokens else "")
+        )
+    return m
 
 
 def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:

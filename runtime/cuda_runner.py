@@ -330,7 +330,8 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Float32 logits [num sampling seqs, vocab] on the GPU, in the order of seqs. A decode
+        """Float32 logits [sampling rows <= max_batch, vocab] on the GPU (each sampling
+        sequence's last num_samples tokens), in the order of seqs. A decode
         step returns a view of the graphs' output buffer: valid until the next step."""
         if not self._graphs:
             raise RuntimeError("CudaGraphRunner.step before capture(); call capture() first.")
@@ -425,7 +426,7 @@ class CudaGraphRunner:
         self, seqs: list[SeqInput], tokens: int, attn: PrefillGraphAttention
     ) -> int:
         """Stage a step padded to `tokens` rows and attn.batch sequences, plan its attention;
-        returns how many of its sequences sample."""
+        returns how many rows sample."""
         staged = self._stage(seqs, tokens, attn.batch, attn.indices_buf)
         qo_indptr, kv_indptr, last_len, used, num_sample = staged
         attn.plan(qo_indptr, kv_indptr, last_len, used)
@@ -476,7 +477,7 @@ class CudaGraphRunner:
         0, KV written to the padding page) and its sequences (padded to `batch` with empty
         ones over the padding page) into the staging buffers, and copy them to the device:
         the page indices into `indices`. Returns (qo_indptr, kv_indptr, last-page lengths,
-        number of page indices, number of sampling sequences)."""
+        number of page indices, number of sampling rows)."""
         ps, st, idx = self.page_size, self._np_i64, self._np_i32
         qo_indptr = np.zeros(batch + 1, dtype=np.int32)
         kv_indptr = np.zeros(batch + 1, dtype=np.int32)
@@ -493,8 +494,12 @@ class CudaGraphRunner:
             st[_PAGE, row : row + n], st[_SLOT, row : row + n] = pages[pos // ps], pos % ps
             idx[used : used + num_pages] = pages
             row, used = row + n, used + num_pages
-            if s.sample:
-                st[_SAMPLE, num_sample], num_sample = row - 1, num_sample + 1
+            m = s.num_logits
+            if m == 1:
+                st[_SAMPLE, num_sample] = row - 1
+            elif m:  # a verification row samples after each of its last m tokens
+                st[_SAMPLE, num_sample : num_sample + m] = np.arange(row - m, row)
+            num_sample += m
             qo_indptr[i + 1], kv_indptr[i + 1] = row, used
             last_len[i] = ctx - (num_pages - 1) * ps
         if row < rows:  # (only graph steps pad: the start-up profile runs before pad_page)

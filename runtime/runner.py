@@ -23,6 +23,13 @@ class SeqInput:
     # >= 0: a decode row whose one token is row `fed_row` of the tokens last given to the
     # runner's feed() (a sample still on the device); token_ids then holds a placeholder.
     fed_row: int = -1
+    # With sample: how many of the last tokens yield one (more than one: a verification row of
+    # speculative decoding, the last known token then proposals).
+    num_samples: int = 1
+
+    @property
+    def num_logits(self) -> int:
+        return self.num_samples if self.sample else 0
 
 
 class ReferenceRunner:
@@ -39,15 +46,15 @@ class ReferenceRunner:
 
     @torch.inference_mode()
     def step(self, seqs: list[SeqInput]) -> torch.Tensor:
-        """Returns float32 logits [num sampling seqs, vocab], in the order of seqs."""
+        """Returns float32 logits [sampling rows, vocab]: each sampling sequence's last
+        num_samples tokens, in the order of seqs."""
         ids, pos, spans, last_rows = [], [], [], []
         for s in seqs:
             n = len(s.token_ids)
             ids.extend([int(self._fed[s.fed_row])] if s.fed_row >= 0 else s.token_ids)
             pos.extend(range(s.start_pos, s.start_pos + n))
             spans.append(SeqSpan(n, s.start_pos + n, torch.tensor(s.page_table, dtype=torch.long)))
-            if s.sample:
-                last_rows.append(len(ids) - 1)
+            last_rows.extend(range(len(ids) - s.num_logits, len(ids)))
         token_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         positions = torch.tensor(pos, dtype=torch.long, device=self.device)
         attn = ReferenceAttention(spans, self.kv, self.scale)

@@ -44,6 +44,7 @@ from enum import Enum
 
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
+from runtime.speculation import SpecState, SpeculationConfig
 
 
 class Status(Enum):
@@ -72,6 +73,8 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     page_keys: list[bytes] = field(default_factory=list)  # prefix keys of its first full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
+    spec: SpecState | None = None  # its speculative decoding, when on and it has no grammar
+    new_tokens: int = 0  # output tokens the last apply() gave it
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +96,7 @@ class SchedulerConfig:
     max_seq_len: int
     prefix_cache: bool = True
     cache_salt: bytes = b""  # names what else shapes the KV (the package digest)
+    speculation: SpeculationConfig | None = None
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -109,12 +113,20 @@ class SeqChunk:
     # Its one input token is a pending one: each rank feeds the token it sampled itself.
     follows_sample: bool = False
     incarnation: int = 0  # seq.num_preemptions when scheduled; apply() ignores older ones
+    # A verification row: the last known token, then these proposals; it samples after each.
+    proposals: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
         if self.follows_sample:
             return []
+        if self.proposals:
+            return self.seq.tokens(self.start_pos, self.start_pos + 1) + self.proposals
         return self.seq.tokens(self.start_pos, self.start_pos + self.num_tokens)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.proposals) + 1 if self.sample else 0
 
 
 @dataclass
@@ -126,6 +138,12 @@ class Step:
     @property
     def sampling_chunks(self) -> list[SeqChunk]:
         return [c for c in self.chunks if c.sample]
+
+    @property
+    def verifies(self) -> bool:
+        """Whether a row verifies proposals: the sequences it holds wait for this step's
+        result, so planning the next step before it would leave them out of that one."""
+        return any(c.proposals for c in self.chunks)
 
 
 class CapacityError(ValueError):
@@ -145,6 +163,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._next_step_id = 1
         self.num_preemptions = 0
+        self.spec_proposed = self.spec_kept = self.spec_verifications = 0  # for /metrics
         # Pages granted to a sequence since the ranks last saw it: sent as its new_pages.
         self._pending_pages: dict[int, int] = {}
 
@@ -161,6 +180,8 @@ class Scheduler:
                 f"the sequence needs {self.config.pages_for(total)} KV pages; the pool has "
                 f"{self.config.num_pages}"
             )
+        if self.config.speculation is not None and not seq.has_grammar:
+            seq.spec = SpecState(self.config.speculation)
         seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
@@ -192,15 +213,25 @@ class Scheduler:
     def schedule(self) -> Step | None:
         step_id = self._next_step_id
         budget, chunks = self.config.max_step_tokens, []
-        for seq in self._decoding():
+        decoding = self._decoding()
+        extra = 0  # sampling rows beyond one per sequence (proposals): they count in max_batch
+        for i, seq in enumerate(decoding):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an older one
+            # Room for proposals: each decode keeps one token of the budget and one sampling
+            # row, and the step samples at most max_batch rows.
+            later = len(decoding) - i
+            room = min(budget - later, self.config.max_batch - extra - len(decoding))
+            proposals = self._propose(seq, room) if seq.spec is not None else []
+            if proposals and not self._reserve(seq, seq.num_computed + 1 + len(proposals), False):
+                proposals = []
             if not self._reserve(seq, seq.num_computed + 1, preempt=True):
                 continue
-            chunks.append(self._chunk(seq, 1, step_id))
-            budget -= 1
+            chunks.append(self._chunk(seq, 1 + len(proposals), step_id, proposals))
+            budget -= 1 + len(proposals)
+            extra += len(proposals)
         for seq in self._prefill_candidates():
-            if budget <= 0 or len(chunks) >= self.config.max_batch:
+            if budget <= 0 or len(chunks) + extra >= self.config.max_batch:
                 break
             if seq.status is Status.WAITING and len(self.running) >= self.config.max_batch:
                 break  # running sequences that are not planned ahead still hold their slot
@@ -255,8 +286,25 @@ class Scheduler:
         return [
             s
             for s in self.running
-            if s.num_computed and self._uncomputed(s) == 1 and not self._ends_when_applied(s)
+            if s.num_computed
+            and self._uncomputed(s) == 1
+            and not self._ends_when_applied(s)
+            and not (s.pending and s.spec is not None and s.spec.active)
         ]
+
+    def _propose(self, seq: Sequence, room: int) -> list[int]:
+        """Proposals for seq's next decode (none while it pauses or a step in flight samples
+        its last token), at most `room` and never past its max_tokens or max_seq_len: the
+        row's last draw is always kept, so k proposals can add k + 1 tokens."""
+        spec = seq.spec
+        if not spec.active or seq.pending:
+            return []
+        limit = min(
+            room,
+            seq.max_tokens - len(seq.output_ids) - 1,
+            self.config.max_seq_len - seq.num_tokens,
+        )
+        return spec.propose(seq.tokens(len(spec.index.tokens), seq.num_tokens), limit)
 
     def _prefill_candidates(self) -> list[Sequence]:
         partial = [s for s in self.running if self._uncomputed(s) > 1 or not s.num_computed]
@@ -274,17 +322,20 @@ class Scheduler:
             or seq.num_tokens + seq.pending >= self.config.max_seq_len
         )
 
-    def _chunk(self, seq: Sequence, n: int, step_id: int) -> SeqChunk:
+    def _chunk(self, seq: Sequence, n: int, step_id: int, proposals=()) -> SeqChunk:
         first = not seq.on_rank
         new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
         seq.on_rank = True
         start, seq.num_computed = seq.num_computed, seq.num_computed + n
         follows = start >= seq.num_tokens  # its token is sampled by a step not yet applied
-        sample = seq.num_computed == seq.num_tokens + seq.pending
+        # (proposals are computed past the known tokens: a verification row samples too)
+        sample = seq.num_computed >= seq.num_tokens + seq.pending
         if sample:
             seq.pending += 1
         self._register(seq, step_id)
-        return SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
+        chunk = SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
+        chunk.proposals = list(proposals)
+        return chunk
 
     def _register(self, seq: Sequence, step_id: int) -> None:
         """Offer the prefix cache seq's pages that are full of known, planned tokens; step_id
@@ -349,22 +400,54 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     # ---- results ------------------------------------------------------------------------
-    def apply(self, step: Step, sampled: dict[int, int]) -> list[Sequence]:
-        """Record a step's outcome (seq_id -> sampled token); steps are applied in the order
-        they were scheduled. Returns the sequences that got a token, with finish_reason set on
-        those that are done."""
+    def apply(self, step: Step, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+        """Record a step's outcome: seq_id -> its sampled token (a verification row: its draws,
+        in position order). Steps are applied in the order they were scheduled. Returns the
+        sequences that got tokens (`new_tokens` of them), with finish_reason set on those that
+        are done."""
         updated = []
         for c in step.sampling_chunks:
             seq = c.seq
             if seq.status is not Status.RUNNING or c.incarnation != seq.num_preemptions:
                 continue  # finished, aborted or preempted since the step was planned
             seq.pending -= 1
-            token = sampled[seq.seq_id]
-            seq.output_ids.append(token)
+            if c.proposals:
+                tokens = self._verified(c, sampled[seq.seq_id])
+            else:
+                tokens = (sampled[seq.seq_id],)
+                if seq.spec is not None:
+                    seq.spec.decoded(1)
             updated.append(seq)
+            reason = None
+            for n, token in enumerate(tokens, 1):
+                seq.output_ids.append(token)
+                if token in seq.stop_token_ids:
+                    reason = "stop"
+                elif self._at_length(seq):
+                    reason = "length"
+                if reason:
+                    break
+            seq.new_tokens = n
             self._register(seq, self._next_step_id - 1)  # planned by a step already sent
-            if token in seq.stop_token_ids:
-                self._finish(seq, "stop")
-            elif len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len:
-                self._finish(seq, "length")
+            if reason:
+                self._finish(seq, reason)
         return updated
+
+    def _at_length(self, seq: Sequence) -> bool:
+        return len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len
+
+    def _verified(self, c: SeqChunk, drawn: list[int]) -> list[int]:
+        """A verification row's new tokens: the proposals equal to the draws before them, then
+        the draw after the last of those. The KV of the rest is left behind: the sequence's
+        computed length goes back to its accepted tokens (their pages stay its own, and its
+        next tokens overwrite them)."""
+        seq, proposals = c.seq, c.proposals
+        kept = 0
+        while kept < len(proposals) and proposals[kept] == drawn[kept]:
+            kept += 1
+        seq.num_computed = c.start_pos + 1 + kept
+        seq.spec.verified(len(proposals), kept)
+        self.spec_proposed += len(proposals)
+        self.spec_kept += kept
+        self.spec_verifications += 1
+        return drawn[: kept + 1]

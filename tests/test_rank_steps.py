@@ -83,3 +83,46 @@ def test_a_follow_without_a_sample_is_refused(tiny_checkpoints, package_cache):
     )
     with pytest.raises(ValueError, match="frontend and the rank disagree"):
         executor.launch(plan, None)
+
+
+def _decode_plan(step_id: int, rows: list[tuple[int, list[int], int, int]]) -> wire_pb2.StepPlan:
+    """rows: (seq_id, token_ids, start_pos, num_samples)."""
+    plan = wire_pb2.StepPlan(step_id=step_id)
+    for seq_id, ids, start, m in rows:
+        plan.seqs.append(
+            wire_pb2.SeqStep(
+                seq_id=seq_id, token_ids=ids, start_pos=start, sample=True, num_samples=m
+            )
+        )
+    return plan
+
+
+def test_a_verification_row_draws_as_one_token_steps_do(tiny_checkpoints, package_cache):
+    """A row of the last token and proposals draws after each exactly what one-token steps
+    draw there (greedy, and seeded sampling); after a wrong proposal the next step overwrites
+    its KV, and the sequence goes on as it would have."""
+    package = package_cache(tiny_checkpoints["llama"], 1)
+    prefill = _plans(num_decode=0)[0]
+
+    one = _executor(package)
+    outs = [_tokens(one.finish(one.launch(prefill, None)))]
+    for step in range(6):
+        rows = [(i + 1, [outs[-1][i]], len(p) + step, 1) for i, p in enumerate(PROMPTS)]
+        outs.append(_tokens(one.finish(one.launch(_decode_plan(step + 2, rows), None))))
+    ys = list(zip(*outs))  # per sequence: its first 7 output tokens
+
+    spec = _executor(package)
+    assert _tokens(spec.finish(spec.launch(prefill, None))) == list(outs[0])
+    # proposals: the true next two tokens, then a wrong one, then the true one after it
+    rows = [
+        (i + 1, [y[0], y[1], y[2], (y[3] + 1) % 50, y[4]], len(p), 5)
+        for i, (p, y) in enumerate(zip(PROMPTS, ys))
+    ]
+    draws = _tokens(spec.finish(spec.launch(_decode_plan(2, rows), None)))
+    for i, y in enumerate(ys):
+        assert draws[5 * i : 5 * i + 3] == list(y[1:4])  # up to and with the draw after y[2]
+    # two proposals kept, the draw y[3] after them: go on from y[3], over the wrong KV
+    rows = [(i + 1, [y[3]], len(p) + 3, 1) for i, (p, y) in enumerate(zip(PROMPTS, ys))]
+    assert _tokens(spec.finish(spec.launch(_decode_plan(3, rows), None))) == [y[4] for y in ys]
+    rows = [(i + 1, [y[4]], len(p) + 4, 1) for i, (p, y) in enumerate(zip(PROMPTS, ys))]
+    assert _tokens(spec.finish(spec.launch(_decode_plan(4, rows), None))) == [y[5] for y in ys]

@@ -40,6 +40,7 @@ class RankModel:
         self.kv_len: dict[int, int] = {}  # positions computed, per sequence
         self.slots: dict[int, dict[int, int]] = {}  # page -> slot -> token whose KV is there
         self.last_token: dict[int, int] = {}
+        self.verified_from: dict[int, int] = {}  # seq -> start of its last verification row
 
     def run(self, step, next_token=lambda seq, pos: 0) -> dict[int, int]:
         """Execute a step; next_token(seq, position) is the token the model draws there.
@@ -48,6 +49,7 @@ class RankModel:
             self.pages.pop(seq_id, None)
             self.kv_len.pop(seq_id, None)
             self.last_token.pop(seq_id, None)
+            self.verified_from.pop(seq_id, None)
         sampled = {}
         for c in step.chunks:
             sid = c.seq.seq_id
@@ -57,6 +59,9 @@ class RankModel:
                 assert c.start_pos % self.page_size == 0
                 # Its matcher replays recomputed output: a grammar's output is never cached.
                 assert not c.seq.has_grammar or c.start_pos <= len(c.seq.prompt_ids)
+            elif sid in self.verified_from:  # its KV after the kept proposals is left behind
+                start = self.verified_from.pop(sid)
+                assert start < c.start_pos <= self.kv_len[sid], "a verification's tokens lost"
             else:
                 assert c.start_pos == self.kv_len[sid], "a chunk must continue where its KV ends"
             self.pages[sid].extend(c.new_pages)
@@ -74,7 +79,12 @@ class RankModel:
             self.kv_len[sid] = c.start_pos + c.num_tokens
             known = min(self.kv_len[sid], c.seq.num_tokens)
             assert self.read(sid, known) == c.seq.tokens(0, known), "the context's KV is wrong"
-            if c.sample:
+            if c.sample and c.proposals:  # a draw after each of its tokens, in position order
+                end = self.kv_len[sid]
+                draws = [next_token(c.seq, p) for p in range(end - len(c.proposals), end + 1)]
+                sampled[sid], self.last_token[sid] = draws, draws[-1]
+                self.verified_from[sid] = c.start_pos
+            elif c.sample:
                 sampled[sid] = self.last_token[sid] = next_token(c.seq, self.kv_len[sid])
         return sampled
 
@@ -92,7 +102,8 @@ class RankModel:
     def check_tokens(self, sched: Scheduler) -> None:
         """The KV of every running sequence holds its tokens as the scheduler knows them."""
         for seq in sched.running:
-            n = min(self.kv_len[seq.seq_id], seq.num_tokens)
+            # (beyond num_computed lies the KV of rejected proposals, left to be overwritten)
+            n = min(self.kv_len[seq.seq_id], seq.num_computed, seq.num_tokens)
             assert self.read(seq.seq_id, n) == seq.tokens(0, n)
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from orbit.core.rank_link import RankFailure, RankLink
 from proto import core_pb2, wire_pb2
 from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
+from runtime.speculation import SpeculationConfig
 
 log = logging.getLogger("orbit.core.engine")
 
@@ -78,6 +79,8 @@ class EngineConfig:
     # Automatic prefix caching (runtime/prefix_cache.py); cache_salt names the package's KV.
     prefix_cache: bool = True
     cache_salt: bytes = b""
+    # Speculative decoding (runtime/speculation.py); None: off.
+    speculation: SpeculationConfig | None = None
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -255,6 +258,23 @@ class Engine:
                     "# TYPE orbit_prefix_cache_hit_rate gauge",
                     f"orbit_prefix_cache_hit_rate {rate:.6f}",
                 ]
+        if s is not None and s.config.speculation is not None:
+            rows = s.spec_verifications
+            mean = (s.spec_kept + rows) / rows if rows else 0.0
+            lines += [
+                "# HELP orbit_spec_proposed_tokens_total Tokens proposed for verification.",
+                "# TYPE orbit_spec_proposed_tokens_total counter",
+                f"orbit_spec_proposed_tokens_total {s.spec_proposed}",
+                "# HELP orbit_spec_accepted_tokens_total Proposed tokens kept.",
+                "# TYPE orbit_spec_accepted_tokens_total counter",
+                f"orbit_spec_accepted_tokens_total {s.spec_kept}",
+                "# HELP orbit_spec_verifications_total Verification rows run.",
+                "# TYPE orbit_spec_verifications_total counter",
+                f"orbit_spec_verifications_total {rows}",
+                "# HELP orbit_spec_mean_acceptance_length Tokens per verification row.",
+                "# TYPE orbit_spec_mean_acceptance_length gauge",
+                f"orbit_spec_mean_acceptance_length {mean:.6f}",
+            ]
         if self.link is not None:
             lines += [
                 "# TYPE orbit_rank_messages_dropped_total counter",
@@ -288,6 +308,7 @@ class Engine:
                 max_seq_len=c.max_seq_len,
                 prefix_cache=c.prefix_cache,
                 cache_salt=c.cache_salt,
+                speculation=c.speculation,
             )
         )
         self._ready = True
@@ -348,7 +369,7 @@ class Engine:
         in_flight: deque[tuple[Step, asyncio.Future, float, bool]] = deque()
         try:
             while self._error is None:
-                if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
+                if self._may_send(in_flight) and self._send_next(in_flight):
                     continue
                 if not in_flight:
                     await self._wake.wait()
@@ -363,6 +384,13 @@ class Engine:
         finally:
             for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
+
+    def _may_send(self, in_flight: deque) -> bool:
+        """Whether to plan a step now: up to max_steps_in_flight, but none behind a step that
+        verifies proposals, whose sequences could only join the step after next."""
+        if not in_flight:
+            return True
+        return len(in_flight) < self.config.max_steps_in_flight and not in_flight[-1][0].verifies
 
     def _check_serving(self) -> None:
         if self._error is not None:
@@ -420,8 +448,11 @@ class Engine:
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
-        samples = {s.seq_id: s for s in result.samples}
-        tokens = {seq_id: s.token_id for seq_id, s in samples.items()}
+        if step.verifies:
+            samples, tokens = _verification_samples(result.samples)
+        else:
+            samples = {s.seq_id: (s,) for s in result.samples}
+            tokens = {s.seq_id: s.token_id for s in result.samples}
         for s in result.samples:
             if s.error:
                 self._sample_failed(s)
@@ -433,13 +464,15 @@ class Engine:
             outputs = by_sink.get(owner.sink)
             if outputs is None:
                 outputs = by_sink[owner.sink] = core_pb2.StepOutputs()
-            out = outputs.outputs.add(seq_key=owner.key, token_ids=(tokens[seq.seq_id],))
-            if len(seq.output_ids) == 1:
+            n = seq.new_tokens
+            ids = (seq.output_ids[-1],) if n == 1 else seq.output_ids[-n:]
+            out = outputs.outputs.add(seq_key=owner.key, token_ids=ids)
+            if len(seq.output_ids) == n:
                 out.cached_tokens = seq.cached_tokens or 0
             if owner.logprobs:
-                s = samples[seq.seq_id]
-                out.logprobs.append(s.logprob)
-                out.top.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
+                for s in samples[seq.seq_id][:n]:
+                    out.logprobs.append(s.logprob)
+                    out.top.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
             if seq.finish_reason is not None:
                 out.finish = _FINISH[seq.finish_reason]
                 del owners[seq.seq_id]
@@ -465,6 +498,19 @@ def seed_of(seed: int | None) -> int:
     return random_seed() if seed is None else seed & _UINT64_MASK
 
 
+def _verification_samples(samples) -> tuple[dict, dict]:
+    """A step's samples by sequence (a verification row has several, in position order), and
+    what Scheduler.apply takes: each sequence's token, or its verification row's tokens."""
+    by_seq: dict[int, list] = {}
+    for s in samples:
+        by_seq.setdefault(s.seq_id, []).append(s)
+    tokens = {
+        seq_id: [s.token_id for s in ss] if len(ss) > 1 else ss[0].token_id
+        for seq_id, ss in by_seq.items()
+    }
+    return by_seq, tokens
+
+
 def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
     """Append one sequence's part of a step; a failure leaves the plan without it."""
     # Checked before anything is added, so a value the wire cannot hold leaves no half entry.
@@ -476,6 +522,7 @@ def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
             new_pages=c.new_pages,
             sample=c.sample,
             follows_sample=c.follows_sample,
+            num_samples=c.num_samples if c.proposals else 0,
         )
         if not c.follows_sample
         else None

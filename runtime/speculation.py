@@ -1,0 +1,128 @@
+"""Speculative decoding's proposals and how many to make: plain CPU code the scheduler calls.
+
+A proposer guesses the next tokens of a sequence; the ranks then score the last known token and
+the guesses in one verification row, drawing after each exactly as they would draw after it
+alone (same seed, same position: runtime/sampling.py), and the scheduler keeps the guesses that
+equal the draws before them, plus the draw after the last kept one. Every proposal here is one
+token, not a distribution, so keeping it when it equals the seeded draw is the standard
+rejection-sampling rule for a point-mass draft (kept with probability p(token); after a
+rejection the draw follows p without that token): the output is token for token the one
+without speculation, greedy or seeded.
+
+The proposer boundary is `propose(seq, k) -> tokens`. The n-gram proposer below (prompt lookup)
+needs no model; a draft model or an EAGLE-style head would propose from the ranks instead, and
+the verification row and the acceptance stay as they are.
+
+How many to propose (`SpecState`) follows each sequence's own acceptance, so a seeded sequence
+proposes the same whatever its neighbours: all kept -> one more next time (up to the maximum),
+none kept -> half as many. A sequence that proposes nothing or keeps nothing `MISSES_TO_PAUSE`
+times in a row pauses: it decodes without proposals, planned ahead like any other, for a number
+of tokens that doubles with each pause (capped), because a sequence that waits for its own
+result to propose costs the ranks the frontend's round trip every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+METHODS = ("ngram",)
+MISSES_TO_PAUSE = 2
+MAX_PAUSE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class SpeculationConfig:
+    method: str = "ngram"
+    num_tokens: int = 4  # the most proposals in one verification row
+    ngram_max: int = 4  # the longest suffix the n-gram proposer looks up
+    ngram_min: int = 2  # the shortest
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculation method {self.method!r} is unknown; use one of {', '.join(METHODS)}"
+            )
+        if not 1 <= self.num_tokens <= 16:
+            raise ValueError(f"speculative tokens must be 1 to 16, got {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"n-gram sizes must satisfy 1 <= min <= max, got {self.ngram_min}..{self.ngram_max}"
+            )
+
+
+@dataclass
+class NgramIndex:
+    """A copy of a sequence's tokens and where each of their n-grams (n in `sizes`) last ended,
+    indexed up to (not including) the current end, so the suffix never finds itself."""
+
+    sizes: range
+    tokens: list[int] = field(default_factory=list)
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def propose(self, new_tokens: list[int], k: int) -> list[int]:
+        """Append the sequence's tokens since the last call; then up to k tokens that followed
+        the latest earlier occurrence of the longest suffix that occurred before."""
+        tokens, ends = self.tokens, self.ends
+        start = len(tokens)
+        tokens += new_tokens
+        end = len(tokens)
+        for e in range(max(start, 1), end):  # n-grams ending at e, now that e < end
+            for n in self.sizes:
+                if n <= e:
+                    ends[tuple(tokens[e - n : e])] = e
+        for n in reversed(self.sizes):
+            if n <= end:
+                at = ends.get(tuple(tokens[end - n :]))
+                if at is not None:
+                    return tokens[at : at + k]
+        return []
+
+
+@dataclass
+class SpecState:
+    """One sequence's speculation: its proposer's index and how many to propose."""
+
+    config: SpeculationConfig
+    k: int = 0
+    misses: int = 0  # verifications in a row that kept nothing (or proposed nothing)
+    pause: int = 0  # tokens left to decode without proposals
+    pauses: int = 0  # pauses so far in a row: each is twice as long as the one before
+    index: NgramIndex | None = None
+
+    def __post_init__(self) -> None:
+        self.k = self.config.num_tokens
+        c = self.config
+        self.index = NgramIndex(range(c.ngram_min, c.ngram_max + 1))
+
+    @property
+    def active(self) -> bool:
+        """Whether the sequence proposes at its next decode (so is not planned ahead)."""
+        return self.pause == 0
+
+    def propose(self, new_tokens: list[int], limit: int) -> list[int]:
+        """At most min(k, limit) proposals to follow the sequence, given its tokens since the
+        last call; finding none counts as a miss."""
+        found = self.index.propose(new_tokens, min(self.k, limit)) if limit > 0 else []
+        if not found and limit > 0:
+            self._missed()
+        return found
+
+    def verified(self, proposed: int, kept: int) -> None:
+        if kept == proposed:
+            self.k = min(self.k + 1, self.config.num_tokens)
+        if kept:
+            self.misses = self.pauses = 0
+            return
+        self.k = max(self.k // 2, 1)
+        self._missed()
+
+    def decoded(self, num_tokens: int) -> None:
+        """Tokens decoded without proposals count down a pause."""
+        self.pause = max(self.pause - num_tokens, 0)
+
+    def _missed(self) -> None:
+        self.misses += 1
+        if self.misses >= MISSES_TO_PAUSE:
+            self.misses = 0
+            self.pauses += 1
+            self.pause = min(2 ** (self.pauses + 2), MAX_PAUSE_TOKENS)

@@ -1,0 +1,185 @@
+"""Speculative decoding in the scheduler: the n-gram proposer, how many proposals a sequence
+makes, and verification rows against the rank model of test_scheduler, whose draws here are a
+function of the KV context the rank holds (as a model's are), so a kept wrong proposal would
+change every later token. Outputs with speculation equal outputs without, token for token."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from runtime.sampling import SamplingParams
+from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+from runtime.speculation import NgramIndex, SpeculationConfig, SpecState
+from tests.test_scheduler import RankModel, _drive
+
+SPEC = SpeculationConfig(num_tokens=4)
+
+
+def test_ngram_index_proposes_what_followed_the_latest_longest_match():
+    index = NgramIndex(range(2, 4))
+    #         0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 9, 5, 6, 1, 2, 5, 6]
+    # suffix [5, 6] last occurred ending at 7 (-> 1, 2, 5, 6) and earlier at 2 (-> 7, 8, 9)
+    assert index.propose(tokens, 3) == [1, 2, 5]
+    # one more token: the suffix [6, 7] matches only at the start
+    assert index.propose([7], 4) == [8, 9, 5, 6]
+    # the 3-gram [8, 9, 5] beats any 2-gram, and runs out of known tokens
+    index = NgramIndex(range(2, 4))
+    assert index.propose([8, 9, 5, 1, 9, 5, 3, 8, 9, 5], 4) == [1, 9, 5, 3]
+    assert NgramIndex(range(2, 4)).propose([1, 2, 3, 4], 4) == []  # nothing repeats
+    assert NgramIndex(range(1, 2)).propose([4, 4], 3) == [4]  # only what is known follows
+
+
+def test_a_sequence_proposes_fewer_when_they_fail_and_pauses_when_none_are_kept():
+    state = SpecState(SpeculationConfig(num_tokens=4))
+    assert state.k == 4 and state.active
+    state.verified(4, 1)
+    assert state.k == 4  # some kept: no change
+    state.verified(4, 0)
+    assert state.k == 2 and state.active
+    state.verified(2, 2)
+    assert state.k == 3
+    state.verified(3, 0)
+    state.verified(1, 0)
+    assert not state.active and state.pause == 8
+    state.decoded(8)
+    assert state.active
+    state.verified(1, 0)
+    state.verified(1, 0)
+    assert state.pause == 16  # pauses double while nothing is kept
+    state.decoded(16)
+    state.verified(1, 1)
+    assert (state.misses, state.pauses) == (0, 0)
+
+
+def _config(spec: SpeculationConfig | None, **kw) -> SchedulerConfig:
+    base = dict(num_pages=64, page_size=4, max_batch=8, max_step_tokens=32, max_seq_len=160)
+    return SchedulerConfig(**{**base, **kw}, speculation=spec)
+
+
+def _context_model(rank: RankModel):
+    """A deterministic 'model': the token at a position is drawn from the tokens whose KV the
+    rank holds before it. It mostly repeats what came 6 tokens earlier (so n-grams match and
+    proposals are kept) and now and then breaks the pattern (so some are rejected)."""
+
+    def draw(seq: Sequence, position: int) -> int:
+        ctx = rank.read(seq.seq_id, position)
+        assert None not in ctx, "a draw read KV that was never written"
+        h = (sum(ctx[-5:]) * 2654435761 + position) % 97
+        if position < 6 or h < 12:
+            return 200 + h
+        return ctx[-6]
+
+    return draw
+
+
+def _run(spec, prompts, max_tokens, depth=2, stop=frozenset(), **kw):
+    sched = Scheduler(_config(spec, **kw))
+    rank = RankModel(sched.config.page_size)
+    seqs = [
+        Sequence(i + 1, list(p), m, SamplingParams(), stop_token_ids=frozenset(stop))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    for s in seqs:
+        sched.add(s)
+    finished, steps = _drive(sched, rank, _context_model(rank), depth)
+    assert len(finished) == len(seqs)
+    return [(s.output_ids, s.finish_reason) for s in seqs], sched, steps
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 60) for _ in range(rng.randrange(5, 30))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_outputs_with_speculation_equal_outputs_without(depth):
+    prompts = _prompts(6)
+    max_tokens = [40, 17, 33, 5, 60, 23]  # several end inside what a verification would add
+    without, _, steps_off = _run(None, prompts, max_tokens, depth)
+    with_spec, sched, steps_on = _run(SPEC, prompts, max_tokens, depth)
+    assert with_spec == without
+    assert all(reason == "length" for _, reason in with_spec)
+    assert [len(out) for out, _ in with_spec] == max_tokens
+    assert sched.spec_kept > 0 and sched.spec_proposed > sched.spec_kept  # kept and rejected
+    assert steps_on < steps_off
+
+
+def test_a_stop_token_inside_a_kept_run_ends_the_sequence_there():
+    prompts = _prompts(4, seed=3)
+    without, _, _ = _run(None, prompts, [50] * 4)
+    # a token every output repeats somewhere after its start, so speculation likely keeps it
+    stop = {without[0][0][30]}
+    without, _, _ = _run(None, prompts, [50] * 4, stop=stop)
+    with_spec, sched, _ = _run(SPEC, prompts, [50] * 4, stop=stop)
+    assert with_spec == without
+    assert any(reason == "stop" for _, reason in with_spec)
+    assert sched.spec_kept > 0
+
+
+def test_preemption_and_a_small_pool_keep_outputs_exact():
+    prompts = _prompts(8, seed=5)
+    max_tokens = [45] * 8
+    kw = dict(num_pages=40, max_batch=6, max_step_tokens=24)
+    without, _, _ = _run(None, prompts, max_tokens, **kw)
+    with_spec, sched, _ = _run(SPEC, prompts, max_tokens, **kw)
+    assert with_spec == without
+    assert sched.num_preemptions > 0 and sched.spec_kept > 0
+    assert sched.pages_in_use == 0  # every page came back, surplus pages of rejections too
+
+
+def test_a_verification_never_passes_the_step_limits():
+    sched = Scheduler(_config(SpeculationConfig(num_tokens=16), max_batch=4, max_step_tokens=12))
+    rank = RankModel(4)
+    draw = _context_model(rank)
+    for i, p in enumerate(_prompts(4, seed=7)):
+        sched.add(Sequence(i + 1, p, 40, SamplingParams()))
+    verified = 0
+    while sched.has_work:
+        step = sched.schedule()
+        assert sum(c.num_tokens for c in step.chunks) <= 12
+        assert sum(c.num_samples for c in step.chunks) <= 4  # sampling rows
+        for c in step.chunks:
+            assert c.start_pos + c.num_tokens <= 160
+            if c.proposals:
+                verified += 1
+                assert len(c.seq.output_ids) + len(c.proposals) + 1 <= c.seq.max_tokens
+        sched.apply(step, rank.run(step, draw))
+        rank.check_tokens(sched)
+    assert verified > 0
+
+
+def test_a_sequence_whose_proposals_fail_pauses_and_is_planned_ahead_again():
+    # Draws from 5 tokens at random: n-grams match often, and their proposals mostly fail.
+    def draw(seq, pos):
+        return 10 + random.Random(pos).randrange(5)
+
+    sched = Scheduler(_config(SPEC, max_seq_len=256, num_pages=80))
+    rank = RankModel(4)
+    seq = Sequence(1, [10, 11, 12, 13, 14, 10, 11], 200, SamplingParams())
+    sched.add(seq)
+    decodes = ahead = 0
+    in_flight = []
+    while sched.has_work or in_flight:
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            in_flight.append((step, rank.run(step, draw)))
+            for c in step.chunks:
+                decodes += c.start_pos >= len(c.seq.prompt_ids)
+                ahead += c.follows_sample
+            continue
+        sched.apply(*in_flight.pop(0))
+    assert seq.output_ids == [draw(seq, p) for p in range(7, 207)]
+    assert 0 < sched.spec_kept < sched.spec_proposed / 2
+    assert ahead > decodes / 2  # most of its steps were planned ahead, without proposals
+
+
+def test_prefix_cache_and_speculation_together_keep_outputs_exact():
+    shared = _prompts(1, seed=9)[0] * 2
+    prompts = [shared + [i] for i in range(5)] * 2
+    without, _, _ = _run(None, prompts, [30] * 10, prefix_cache=False)
+    with_spec, sched, _ = _run(SPEC, prompts, [30] * 10)
+    assert with_spec == without
+    assert sched.cache.hit_tokens > 0 and sched.spec_kept > 0
