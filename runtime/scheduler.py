@@ -140,10 +140,13 @@ class Step:
         return [c for c in self.chunks if c.sample]
 
     @property
-    def verifies(self) -> bool:
-        """Whether a row verifies proposals: the sequences it holds wait for this step's
-        result, so planning the next step before it would leave them out of that one."""
-        return any(c.proposals for c in self.chunks)
+    def waits_for_result(self) -> bool:
+        """Whether at least half its rows verify proposals. Their sequences wait for this
+        step's result, so a step planned before it would leave them out: the engine then waits
+        too. With fewer, the others' steps go on being planned ahead, and the verifying
+        sequences take every other step."""
+        rows = sum(1 for c in self.chunks if c.proposals)
+        return rows > 0 and 2 * rows >= len(self.chunks)
 
 
 class CapacityError(ValueError):
@@ -289,8 +292,16 @@ class Scheduler:
             if s.num_computed
             and self._uncomputed(s) == 1
             and not self._ends_when_applied(s)
-            and not (s.pending and s.spec is not None and s.spec.active)
+            and not (s.pending and s.spec is not None and self._waits_to_propose(s))
         ]
+
+    def _waits_to_propose(self, seq: Sequence) -> bool:
+        """Whether seq, whose last token a step in flight draws, waits for that token to
+        propose after it rather than being planned ahead."""
+        spec = seq.spec
+        if not spec.active:
+            return False
+        return spec.may_propose_next(seq.tokens(len(spec.index.tokens), seq.num_tokens))
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
         """Proposals for seq's next decode (none while it pauses or a step in flight samples

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 METHODS = ("ngram",)
-MISSES_TO_PAUSE = 2
+MISSES_TO_PAUSE = 4
 MAX_PAUSE_TOKENS = 256
 
 
@@ -55,21 +55,39 @@ class NgramIndex:
     """A copy of a sequence's tokens and where each of their n-grams (n in `sizes`) last ended,
     indexed up to (not including) the current end, so the suffix never finds itself."""
 
-    sizes: range
+    sizes: range  # the n-gram lengths looked up; one shorter is indexed too, for may_follow
     tokens: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._indexed = range(max(self.sizes.start - 1, 1), self.sizes.stop)
+
+    def extend(self, new_tokens: list[int]) -> None:
+        """Append the sequence's tokens since the last call."""
+        tokens, ends = self.tokens, self.ends
+        start = len(tokens)
+        tokens += new_tokens
+        for e in range(max(start, 1), len(tokens)):  # n-grams ending at e, now that e < end
+            for n in self._indexed:
+                if n <= e:
+                    ends[tuple(tokens[e - n : e])] = e
+
+    def may_follow(self) -> bool:
+        """Whether a match is possible once one more token is known: the shortest n-gram then
+        ends with that token, so its first n - 1 tokens, the current suffix, must have occurred
+        before with something after them."""
+        n = self.sizes[0] - 1
+        if n == 0:
+            return True
+        tokens = self.tokens
+        at = self.ends.get(tuple(tokens[len(tokens) - n :])) if len(tokens) >= n else None
+        return at is not None
 
     def propose(self, new_tokens: list[int], k: int) -> list[int]:
         """Append the sequence's tokens since the last call; then up to k tokens that followed
         the latest earlier occurrence of the longest suffix that occurred before."""
-        tokens, ends = self.tokens, self.ends
-        start = len(tokens)
-        tokens += new_tokens
-        end = len(tokens)
-        for e in range(max(start, 1), end):  # n-grams ending at e, now that e < end
-            for n in self.sizes:
-                if n <= e:
-                    ends[tuple(tokens[e - n : e])] = e
+        self.extend(new_tokens)
+        tokens, ends, end = self.tokens, self.ends, len(self.tokens)
         for n in reversed(self.sizes):
             if n <= end:
                 at = ends.get(tuple(tokens[end - n :]))
@@ -98,6 +116,13 @@ class SpecState:
     def active(self) -> bool:
         """Whether the sequence proposes at its next decode (so is not planned ahead)."""
         return self.pause == 0
+
+    def may_propose_next(self, new_tokens: list[int]) -> bool:
+        """Given the sequence's known tokens since the last call, whether its next decode, once
+        the token being drawn now is known, could have proposals: when not, it is planned
+        ahead like any other rather than waiting for that token."""
+        self.index.extend(new_tokens)
+        return self.index.may_follow()
 
     def propose(self, new_tokens: list[int], limit: int) -> list[int]:
         """At most min(k, limit) proposals to follow the sequence, given its tokens since the

@@ -111,7 +111,9 @@ def _drive(sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_st
     """Run to completion with up to `depth` steps in flight, as the engine does."""
     finished, steps, in_flight = {}, 0, deque()
     while (sched.has_work or in_flight) and steps < max_steps:
-        step = sched.schedule() if len(in_flight) < depth else None
+        # (none behind a step that verifies proposals, as the engine does)
+        ahead = in_flight and in_flight[-1][0].waits_for_result
+        step = sched.schedule() if len(in_flight) < depth and not ahead else None
         if step is not None:
             assert len(step.chunks) <= sched.config.max_batch
             assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens

@@ -11,7 +11,7 @@ import pytest
 
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
-from runtime.speculation import NgramIndex, SpeculationConfig, SpecState
+from runtime.speculation import MISSES_TO_PAUSE, NgramIndex, SpecState, SpeculationConfig
 from tests.test_scheduler import RankModel, _drive
 
 SPEC = SpeculationConfig(num_tokens=4)
@@ -41,13 +41,14 @@ def test_a_sequence_proposes_fewer_when_they_fail_and_pauses_when_none_are_kept(
     assert state.k == 2 and state.active
     state.verified(2, 2)
     assert state.k == 3
-    state.verified(3, 0)
-    state.verified(1, 0)
+    for _ in range(MISSES_TO_PAUSE):
+        state.verified(1, 0)
     assert not state.active and state.pause == 8
     state.decoded(8)
     assert state.active
-    state.verified(1, 0)
-    state.verified(1, 0)
+    assert state.propose([1, 2, 3], limit=4) == []  # finding nothing is a miss too
+    for _ in range(MISSES_TO_PAUSE - 1):
+        state.verified(1, 0)
     assert state.pause == 16  # pauses double while nothing is kept
     state.decoded(16)
     state.verified(1, 1)
@@ -55,7 +56,13 @@ def test_a_sequence_proposes_fewer_when_they_fail_and_pauses_when_none_are_kept(
 
 
 def _config(spec: SpeculationConfig | None, **kw) -> SchedulerConfig:
-    base = dict(num_pages=64, page_size=4, max_batch=8, max_step_tokens=32, max_seq_len=160)
+    base = {
+        "num_pages": 64,
+        "page_size": 4,
+        "max_batch": 8,
+        "max_step_tokens": 32,
+        "max_seq_len": 160,
+    }
     return SchedulerConfig(**{**base, **kw}, speculation=spec)
 
 
@@ -122,7 +129,7 @@ def test_a_stop_token_inside_a_kept_run_ends_the_sequence_there():
 def test_preemption_and_a_small_pool_keep_outputs_exact():
     prompts = _prompts(8, seed=5)
     max_tokens = [45] * 8
-    kw = dict(num_pages=40, max_batch=6, max_step_tokens=24)
+    kw = {"num_pages": 40, "max_batch": 6, "max_step_tokens": 24}
     without, _, _ = _run(None, prompts, max_tokens, **kw)
     with_spec, sched, _ = _run(SPEC, prompts, max_tokens, **kw)
     assert with_spec == without
@@ -183,3 +190,29 @@ def test_prefix_cache_and_speculation_together_keep_outputs_exact():
     with_spec, sched, _ = _run(SPEC, prompts, [30] * 10)
     assert with_spec == without
     assert sched.cache.hit_tokens > 0 and sched.spec_kept > 0
+
+
+def test_a_sequence_that_cannot_match_is_planned_ahead_from_its_first_decode():
+    # Tokens that never repeat: no n-gram can match, so it never waits for its last token.
+    sched = Scheduler(_config(SPEC))
+    rank = RankModel(4)
+    seq = Sequence(1, list(range(10, 20)), 30, SamplingParams())
+    sched.add(seq)
+    rows = []
+    in_flight = []
+    while sched.has_work or in_flight:
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            in_flight.append((step, rank.run(step, lambda s, pos: 1000 + pos)))
+            rows += [c.follows_sample for c in step.chunks if c.start_pos >= 10]
+            continue
+        sched.apply(*in_flight.pop(0))
+    assert seq.output_ids == [1000 + p for p in range(10, 40)]
+    assert rows and all(rows)  # every decode was planned ahead
+    assert sched.spec_verifications == 0 and seq.spec.misses == 0
+    assert NgramIndex(range(2, 4)).may_follow() is False
+    index = NgramIndex(range(2, 4))
+    index.extend([1, 2, 3, 1])
+    assert index.may_follow()  # [1, next] may repeat [1, 2]
+    index.extend([5])
+    assert not index.may_follow()

@@ -387,10 +387,13 @@ class Engine:
 
     def _may_send(self, in_flight: deque) -> bool:
         """Whether to plan a step now: up to max_steps_in_flight, but none behind a step that
-        verifies proposals, whose sequences could only join the step after next."""
+        is mostly verification rows, whose sequences could only join the step after next."""
         if not in_flight:
             return True
-        return len(in_flight) < self.config.max_steps_in_flight and not in_flight[-1][0].verifies
+        return (
+            len(in_flight) < self.config.max_steps_in_flight
+            and not in_flight[-1][0].waits_for_result
+        )
 
     def _check_serving(self) -> None:
         if self._error is not None:
@@ -448,7 +451,7 @@ class Engine:
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
-        if step.verifies:
+        if any(c.proposals for c in step.chunks):
             samples, tokens = _verification_samples(result.samples)
         else:
             samples = {s.seq_id: (s,) for s in result.samples}

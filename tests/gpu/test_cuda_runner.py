@@ -155,6 +155,11 @@ def test_prefill_graphs_match_the_eager_path(llama, report):
             SeqInput([13], 0, tables[6], True),
         ],
         "8 short prompts": [SeqInput(prompts[3], 0, tables[i], True) for i in range(8)],
+        "verification rows (speculative decoding) beside a decode row": [
+            SeqInput(prompts[0][256:261], 300, tables[0], True, num_samples=5),
+            SeqInput([12], 0, tables[4], True),
+            SeqInput(prompts[3][:3], 5, tables[6], True, num_samples=3),
+        ],
     }
     worst = {}
     for name, seqs in shapes.items():
@@ -164,7 +169,7 @@ def test_prefill_graphs_match_the_eager_path(llama, report):
             layer[runner.pad_page].normal_()
         again = runner.step(seqs).float().cpu()
         assert torch.equal(graph, again), name
-        assert graph.shape == eager.shape == (sum(s.sample for s in seqs), spec.vocab_size)
+        assert graph.shape == eager.shape == (sum(s.num_logits for s in seqs), spec.vocab_size)
         worst[name] = steps.rel_error(graph, eager)
         assert worst[name] <= BF16_REL_TOL, name
     report("prefill_graph_vs_eager", rel_err=worst, history_rows=len(history))

@@ -1,0 +1,296 @@
+"""Speculative decoding on one GPU (issue 19), each part on its own:
+
+- `verify`: the Llama-3.1-8B architecture (random bf16, built on the GPU as benchmarks.decode
+  builds it) on one rank's CudaGraphRunner: a verification row of 1 x (k+1) tokens against a
+  1-token decode step at the same context, both replayed from their graphs (the decode bucket's,
+  the token bucket's), median of CUDA-event times around `runner.step`, which includes staging.
+  Also 64 rows.
+- `copy`: a package (the real SmolLM2-135M, from its GGUF) behind an engine core in this
+  process over local ranks, speculation off and then on (n-gram): copy-heavy prompts (rewrite
+  or correct a passage, repeat a code file with an edit, continue a code file), greedy, EOS
+  honoured, each alone in turn and then all at once; tokens/s, and whether the outputs are
+  identical.
+- `batch`: the same engine over a package, --users concurrent streams of random 512-token
+  prompts and 256 new tokens (EOS ignored), off/on/off/on: output tokens/s (adaptive k must keep
+  speculation from costing throughput when proposals fail).
+
+    python3 -m benchmarks.speculation verify --out DIR
+    python3 -m benchmarks.speculation copy --package PKG --device cuda --out DIR
+    python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from benchmarks.step_overhead import GREEDY, engine_config, local_ranks, prompt, running_engine
+from runtime.package import open_package
+from runtime.speculation import SpeculationConfig
+
+PASSAGE = """The harbour town woke slowly in winter. The first boats went out before the light, \
+their engines coughing in the cold, and the gulls followed them past the breakwater. By eight \
+the bakery on the corner had its shutters up and a line of fishermen's children waiting with \
+coins in their mittens. The harbour master walked the length of the quay twice each morning, \
+once to count the boats that had gone and once to count the ones that had stayed, and he wrote \
+both numbers in a ledger that nobody else ever read. In the afternoon the wind usually turned, \
+and the boats came home low in the water, and the whole town smelled of diesel and salt and \
+bread. The school let out at four. The children ran down to the quay to look for their fathers' \
+boats, and the harbour master, who had no children of his own, pretended not to watch them."""
+
+TYPOS = (
+    PASSAGE.replace("slowly", "slowley")
+    .replace("engines", "engins")
+    .replace("waiting", "wating")
+    .replace("morning", "mornig")
+    .replace("afternoon", "afternon")
+)
+
+CODE = """import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Point:
+    x: float
+    y: float
+
+    def distance(self, other: "Point") -> float:
+        return math.hypot(self.x - other.x, self.y - other.y)
+
+
+@dataclass
+class Polygon:
+    points: list[Point]
+
+    def perimeter(self) -> float:
+        total = 0.0
+        for i, p in enumerate(self.points):
+            total += p.distance(self.points[(i + 1) % len(self.points)])
+        return total
+
+    def area(self) -> float:
+        total = 0.0
+        for i, p in enumerate(self.points):
+            q = self.points[(i + 1) % len(self.points)]
+            total += p.x * q.y - q.x * p.y
+        return abs(total) / 2
+"""
+
+TASKS = [
+    "Rewrite the following passage, replacing every 'harbour' with 'port' and changing nothing "
+    "else:\n\n" + PASSAGE,
+    "Correct the spelling mistakes in this text and return the whole corrected text:\n\n" + TYPOS,
+    "Repeat this Python file exactly, but rename the class Polygon to Shape:\n\n" + CODE,
+    "Continue this Python file with a class Rectangle built the same way:\n\n" + CODE,
+]
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+async def generate(engine, ids: list[int], max_tokens: int, ignore_eos: bool) -> list[int]:
+    out = []
+    async for o in engine.generate(ids, max_tokens, GREEDY, ignore_eos=ignore_eos):
+        out += o.token_ids
+    return out
+
+
+def spec_metrics(engine) -> dict:
+    s = engine.scheduler
+    rows = s.spec_verifications
+    return {
+        "proposed": s.spec_proposed,
+        "accepted": s.spec_kept,
+        "verifications": rows,
+        "mean_acceptance_length": round((s.spec_kept + rows) / rows, 3) if rows else 0.0,
+    }
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def step_stats(engine, steps_before: int, elapsed: float) -> dict:
+    steps = engine.steps - steps_before
+    timings = list(engine.recent_timings)[-steps:] if steps else []
+    return {
+        "steps": steps,
+        "wall_per_step_ms": round(elapsed / steps * 1e3, 3) if steps else 0.0,
+        "rank_execute_ms_p50": round(statistics.median(t[0] for t in timings) * 1e3, 3),
+        "rank_gpu_ms_p50": round(statistics.median(t[1] for t in timings) * 1e3, 3),
+    }
+
+
+async def timed_outputs(engine, prompts, max_tokens, together: bool) -> dict:
+    steps, t0 = engine.steps, time.perf_counter()
+    if together:
+        outs = await asyncio.gather(*(generate(engine, p, max_tokens, False) for p in prompts))
+    else:
+        outs = [await generate(engine, p, max_tokens, False) for p in prompts]
+    elapsed = time.perf_counter() - t0
+    tokens = sum(map(len, outs))
+    return {
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / elapsed, 1),
+        **step_stats(engine, steps, elapsed),
+        "outputs": outs,
+    }
+
+
+async def copy_part(args) -> dict:
+    """Speculation off, on, off, on over one set of ranks; the second round is the warm one."""
+    from transformers import AutoTokenizer
+
+    pkg = open_package(args.package)
+    tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    prompts = [chat_ids(tokenizer, t) for t in TASKS]
+    report: dict = {"prompt_tokens": [len(p) for p in prompts], "rounds": []}
+    async with local_ranks(pkg, args.device, args.kv_pages) as link:
+        for _ in range(2):
+            runs = {}
+            for spec in (None, SpeculationConfig(num_tokens=args.spec_tokens)):
+                key = "ngram" if spec else "off"
+                config = replace(engine_config(pkg, overlap=True), speculation=spec)
+                async with running_engine(config, link) as engine:
+                    await generate(engine, prompts[0][:64], 16, True)  # warm-up
+                    part = runs[key] = {}
+                    part["alone"] = await timed_outputs(engine, prompts, args.max_tokens, False)
+                    part["together"] = await timed_outputs(engine, prompts, args.max_tokens, True)
+                    if spec:
+                        part["spec"] = spec_metrics(engine)
+            off, on = runs["off"], runs["ngram"]
+            for mode in ("alone", "together"):
+                # the first token where each prompt's output differs from the off run's alone
+                # output: bf16 products of another shape round differently (off together too)
+                for part in (off, on):
+                    part[mode]["same_tokens_as_off_alone"] = [
+                        common_prefix(a, b)
+                        for a, b in zip(off["alone"]["outputs"], part[mode]["outputs"])
+                    ]
+                on[mode]["speedup"] = round(on[mode]["tokens_per_s"] / off[mode]["tokens_per_s"], 3)
+            runs["sample_output"] = tokenizer.decode(on["alone"]["outputs"][0])[:300]
+            for part in (off, on):
+                for mode in ("alone", "together"):
+                    part[mode]["output_tokens"] = [len(o) for o in part[mode].pop("outputs")]
+            report["rounds"].append(runs)
+            print(json.dumps({k: v for k, v in runs.items() if k != "sample_output"}), flush=True)
+    return report
+
+
+async def batch_part(args) -> dict:
+    pkg = open_package(args.package)
+    report: dict = {"users": args.users}
+    gate = asyncio.Semaphore(args.users)
+
+    async def one(engine, ids):
+        async with gate:
+            return len(await generate(engine, ids, args.new_tokens, True))
+
+    async with local_ranks(pkg, args.device, args.kv_pages) as link:
+        salt = 0
+        for _ in range(2):
+            for spec in (None, SpeculationConfig(num_tokens=args.spec_tokens)):
+                key = "ngram" if spec else "off"
+                config = replace(engine_config(pkg, overlap=True), speculation=spec)
+                async with running_engine(config, link) as engine:
+                    await generate(engine, prompt(pkg, 64, salt=10**6), 8, True)  # warm-up
+                    if not report.get("off"):  # the first timed pass must not be cold
+                        warm = [
+                            prompt(pkg, args.prompt_tokens, salt=10**7 + i)
+                            for i in range(args.users)
+                        ]
+                        await asyncio.gather(*(one(engine, r) for r in warm))
+                    requests = [
+                        prompt(pkg, args.prompt_tokens, salt=salt + i)
+                        for i in range(2 * args.users)
+                    ]
+                    salt += 2 * args.users
+                    t0 = time.perf_counter()
+                    tokens = sum(await asyncio.gather(*(one(engine, r) for r in requests)))
+                    rate = round(tokens / (time.perf_counter() - t0), 1)
+                    report.setdefault(key, []).append(rate)
+                    if spec:
+                        report.setdefault("spec", []).append(spec_metrics(engine))
+                    print(key, rate, report.get("spec", [""])[-1] if spec else "", flush=True)
+    report["on_over_off"] = round(
+        statistics.mean(report["ngram"]) / statistics.mean(report["off"]), 3
+    )
+    print(json.dumps({"batch_on_over_off": report["on_over_off"]}), flush=True)
+    return report
+
+
+def verify_part(args) -> dict:
+    import torch
+
+    from benchmarks.decode import build_runner, hf_config, median_ms, random_shard
+    from prepare.model_spec import model_spec_from_config
+    from runtime.runner import SeqInput
+
+    spec = model_spec_from_config(hf_config(32), 1)
+    tensors = random_shard(spec)
+    args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
+    runner, _ = build_runner(spec, tensors, args)
+    for layer in runner.kv.layers:  # never time attention over zeros
+        layer.normal_()
+    ps, ctx = runner.page_size, args.context
+    per_seq = -(-(ctx + 16) // ps)
+    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(64)]
+    report: dict = {"context": ctx, "device": torch.cuda.get_device_name()}
+    for rows in (1, 64):
+        decode = [SeqInput([7], ctx, tables[i], True) for i in range(rows)]
+        base = median_ms(lambda d=decode: runner.step(d), iters=50)
+        part = report[f"rows_{rows}"] = {"decode_ms": round(base, 4)}
+        for n in (2, 3, 5, 8):
+            verify = [SeqInput([7] * n, ctx, tables[i], True, num_samples=n) for i in range(rows)]
+            if rows * n > runner.caps.max_batch:
+                continue  # a step samples at most max_batch rows
+            ms = median_ms(lambda v=verify: runner.step(v), iters=50)
+            part[f"verify_{n}_ms"] = round(ms, 4)
+            part[f"verify_{n}_over_decode"] = round(ms / base, 3)
+        print(rows, part, flush=True)
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("part", choices=["verify", "copy", "batch"])
+    p.add_argument("--package", type=Path)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--kv-pages", type=int, default=0, help="per rank; 0 sizes from memory")
+    p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=320, help="copy: new tokens at most")
+    p.add_argument("--users", type=int, default=64, help="batch: concurrent streams")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--context", type=int, default=512, help="verify: tokens in the cache")
+    p.add_argument("--out", type=Path, help="write DIR/speculation_PART.json")
+    args = p.parse_args(argv)
+    if args.part == "verify":
+        report = verify_part(args)
+    else:
+        if args.package is None:
+            p.error(f"{args.part} needs --package")
+        report = asyncio.run(copy_part(args) if args.part == "copy" else batch_part(args))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"speculation_{args.part}.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()
