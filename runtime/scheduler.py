@@ -75,6 +75,7 @@ class Sequence:
     num_registered: int = 0  # leading pages offered to the prefix cache
     spec: SpecState | None = None  # its speculative decoding, when on and it has no grammar
     new_tokens: int = 0  # output tokens the last apply() gave it
+    verifying: list[SeqChunk] = field(default_factory=list)  # its verification rows in flight
 
     @property
     def num_tokens(self) -> int:
@@ -115,11 +116,21 @@ class SeqChunk:
     incarnation: int = 0  # seq.num_preemptions when scheduled; apply() ignores older ones
     # A verification row: the last known token, then these proposals; it samples after each.
     proposals: list[int] = field(default_factory=list)
+    # A verification row chained behind the sequence's one in flight: its first token is this
+    # guess of that row's last draw, in place of a known token (see Scheduler._chain).
+    guess: int | None = None
+    void: bool = False  # a chained row whose guess proved wrong: apply() ignores its draws
+
+    @property
+    def verifies(self) -> bool:
+        return bool(self.proposals) or self.guess is not None
 
     @property
     def token_ids(self) -> list[int]:
         if self.follows_sample:
             return []
+        if self.guess is not None:
+            return [self.guess, *self.proposals]
         if self.proposals:
             return self.seq.tokens(self.start_pos, self.start_pos + 1) + self.proposals
         return self.seq.tokens(self.start_pos, self.start_pos + self.num_tokens)
@@ -140,13 +151,8 @@ class Step:
         return [c for c in self.chunks if c.sample]
 
     @property
-    def waits_for_result(self) -> bool:
-        """Whether at least half its rows verify proposals. Their sequences wait for this
-        step's result, so a step planned before it would leave them out: the engine then waits
-        too. With fewer, the others' steps go on being planned ahead, and the verifying
-        sequences take every other step."""
-        rows = sum(1 for c in self.chunks if c.proposals)
-        return rows > 0 and 2 * rows >= len(self.chunks)
+    def verifies(self) -> bool:
+        return any(c.verifies for c in self.chunks)
 
 
 class CapacityError(ValueError):
@@ -225,14 +231,23 @@ class Scheduler:
             # row, and the step samples at most max_batch rows.
             later = len(decoding) - i
             room = min(budget - later, self.config.max_batch - extra - len(decoding))
-            proposals = self._propose(seq, room) if seq.spec is not None else []
-            if proposals and not self._reserve(seq, seq.num_computed + 1 + len(proposals), False):
-                proposals = []
-            if not self._reserve(seq, seq.num_computed + 1, preempt=True):
-                continue
-            chunks.append(self._chunk(seq, 1 + len(proposals), step_id, proposals))
-            budget -= 1 + len(proposals)
-            extra += len(proposals)
+            if seq.verifying:
+                chunk = self._chain(seq, room, step_id)
+                if chunk is None:
+                    continue  # it waits for its verification's result
+            else:
+                proposals = self._propose(seq, room) if seq.spec is not None else []
+                need = seq.num_computed + 1 + len(proposals)
+                if proposals and not self._reserve(seq, need, preempt=False):
+                    proposals = []
+                if not self._reserve(seq, seq.num_computed + 1, preempt=True):
+                    continue
+                chunk = self._chunk(seq, 1 + len(proposals), step_id, proposals)
+                if proposals:
+                    seq.verifying.append(chunk)
+            chunks.append(chunk)
+            budget -= chunk.num_tokens
+            extra += chunk.num_tokens - 1
         for seq in self._prefill_candidates():
             if budget <= 0 or len(chunks) + extra >= self.config.max_batch:
                 break
@@ -286,14 +301,47 @@ class Scheduler:
             self.cache.hit_tokens += seq.cached_tokens
 
     def _decoding(self) -> list[Sequence]:
-        return [
-            s
-            for s in self.running
-            if s.num_computed
-            and self._uncomputed(s) == 1
-            and not self._ends_when_applied(s)
-            and not (s.pending and s.spec is not None and self._waits_to_propose(s))
-        ]
+        """Running sequences that decode this step: one token each, proposals, or a
+        verification row chained behind theirs in flight."""
+        out = []
+        for s in self.running:
+            if not s.num_computed or self._ends_when_applied(s):
+                continue
+            if s.verifying:  # (a chain is one deep: two steps in flight at most)
+                if len(s.verifying) == 1 and s.pending == 1:
+                    out.append(s)
+            elif self._uncomputed(s) == 1 and not (
+                s.pending and s.spec is not None and self._waits_to_propose(s)
+            ):
+                out.append(s)
+        return out
+
+    def _chain(self, seq: Sequence, room: int, step_id: int) -> SeqChunk | None:
+        """A verification row planned behind seq's one in flight, assuming that one keeps every
+        proposal: its first token is the guess of that row's last draw (what followed its
+        proposals in the n-gram match), then proposals after it. If the row in flight keeps
+        less or draws otherwise, this one is void: apply() rolls seq back to what was kept and
+        ignores this row's draws, and its KV is overwritten later. None: nothing to guess, or
+        no room; seq waits for the row in flight."""
+        spec, ahead = seq.spec, seq.verifying[0]
+        if not spec.active:
+            return None
+        start = ahead.start_pos + 1 + len(ahead.proposals)  # the guessed draw's position
+        limit = min(
+            room,
+            seq.max_tokens - len(seq.output_ids) - len(ahead.proposals) - 2,
+            self.config.max_seq_len - start - 1,
+        )
+        if limit < 0:
+            return None
+        known = seq.tokens(len(spec.index.tokens), seq.num_tokens)
+        found = spec.index.propose_after(known, ahead.proposals, limit + 1)
+        if not found or not self._reserve(seq, start + len(found), preempt=False):
+            return None
+        chunk = self._chunk(seq, len(found), step_id, found[1:])
+        chunk.guess, chunk.follows_sample = found[0], False
+        seq.verifying.append(chunk)
+        return chunk
 
     def _waits_to_propose(self, seq: Sequence) -> bool:
         """Whether seq, whose last token a step in flight draws, waits for that token to
@@ -386,6 +434,7 @@ class Scheduler:
         self.running.remove(seq)
         self._free(seq)
         seq.num_computed = seq.pending = 0  # the samples in flight are dropped by apply()
+        seq.verifying.clear()
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -419,11 +468,12 @@ class Scheduler:
         updated = []
         for c in step.sampling_chunks:
             seq = c.seq
-            if seq.status is not Status.RUNNING or c.incarnation != seq.num_preemptions:
-                continue  # finished, aborted or preempted since the step was planned
+            if c.void or seq.status is not Status.RUNNING or c.incarnation != seq.num_preemptions:
+                continue  # void, finished, aborted or preempted since the step was planned
             seq.pending -= 1
-            if c.proposals:
-                tokens = self._verified(c, sampled[seq.seq_id])
+            if c.verifies:
+                drawn = sampled[seq.seq_id]
+                tokens = self._verified(c, [drawn] if isinstance(drawn, int) else drawn)
             else:
                 tokens = (sampled[seq.seq_id],)
                 if seq.spec is not None:
@@ -451,14 +501,24 @@ class Scheduler:
         """A verification row's new tokens: the proposals equal to the draws before them, then
         the draw after the last of those. The KV of the rest is left behind: the sequence's
         computed length goes back to its accepted tokens (their pages stay its own, and its
-        next tokens overwrite them)."""
+        next tokens overwrite them), unless the row chained behind this one guessed exactly
+        these tokens: then that row's KV and draws stand."""
         seq, proposals = c.seq, c.proposals
+        seq.verifying.remove(c)
         kept = 0
         while kept < len(proposals) and proposals[kept] == drawn[kept]:
             kept += 1
-        seq.num_computed = c.start_pos + 1 + kept
+        chained = seq.verifying[0] if seq.verifying else None
+        if chained is None or kept < len(proposals) or drawn[kept] != chained.guess:
+            seq.num_computed = c.start_pos + 1 + kept
+            if chained is not None:
+                chained.void = True
+                seq.verifying.clear()
+                seq.pending -= 1
+                self.spec_proposed += 1 + len(chained.proposals)
         seq.spec.verified(len(proposals), kept)
-        self.spec_proposed += len(proposals)
-        self.spec_kept += kept
+        guessed = c.guess is not None  # its guess proved right, or it would be void
+        self.spec_proposed += len(proposals) + guessed
+        self.spec_kept += kept + guessed
         self.spec_verifications += 1
         return drawn[: kept + 1]

@@ -86,11 +86,17 @@ class NgramIndex:
     def propose(self, new_tokens: list[int], k: int) -> list[int]:
         """Append the sequence's tokens since the last call; then up to k tokens that followed
         the latest earlier occurrence of the longest suffix that occurred before."""
+        return self.propose_after(new_tokens, [], k)
+
+    def propose_after(self, new_tokens: list[int], assumed: list[int], k: int) -> list[int]:
+        """As propose, for the sequence followed by `assumed` tokens (not indexed: they are
+        proposals in flight)."""
         self.extend(new_tokens)
-        tokens, ends, end = self.tokens, self.ends, len(self.tokens)
+        tokens = self.tokens + assumed if assumed else self.tokens
+        end = len(tokens)
         for n in reversed(self.sizes):
             if n <= end:
-                at = ends.get(tuple(tokens[end - n :]))
+                at = self.ends.get(tuple(tokens[end - n :]))
                 if at is not None:
                     return tokens[at : at + k]
         return []
@@ -147,7 +153,8 @@ class SpecState:
 
     def _missed(self) -> None:
         self.misses += 1
-        if self.misses >= MISSES_TO_PAUSE:
+        # after a pause that nothing kept ended, one more miss starts the next
+        if self.misses >= (MISSES_TO_PAUSE if self.pauses == 0 else 1):
             self.misses = 0
             self.pauses += 1
             self.pause = min(2 ** (self.pauses + 2), MAX_PAUSE_TOKENS)

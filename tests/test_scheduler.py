@@ -60,8 +60,10 @@ class RankModel:
                 # Its matcher replays recomputed output: a grammar's output is never cached.
                 assert not c.seq.has_grammar or c.start_pos <= len(c.seq.prompt_ids)
             elif sid in self.verified_from:  # its KV after the kept proposals is left behind
-                start = self.verified_from.pop(sid)
+                start = self.verified_from[sid]
                 assert start < c.start_pos <= self.kv_len[sid], "a verification's tokens lost"
+                if not c.verifies:
+                    del self.verified_from[sid]
             else:
                 assert c.start_pos == self.kv_len[sid], "a chunk must continue where its KV ends"
             self.pages[sid].extend(c.new_pages)
@@ -79,11 +81,11 @@ class RankModel:
             self.kv_len[sid] = c.start_pos + c.num_tokens
             known = min(self.kv_len[sid], c.seq.num_tokens)
             assert self.read(sid, known) == c.seq.tokens(0, known), "the context's KV is wrong"
-            if c.sample and c.proposals:  # a draw after each of its tokens, in position order
+            if c.sample and c.verifies:  # a draw after each of its tokens, in position order
                 end = self.kv_len[sid]
                 draws = [next_token(c.seq, p) for p in range(end - len(c.proposals), end + 1)]
                 sampled[sid], self.last_token[sid] = draws, draws[-1]
-                self.verified_from[sid] = c.start_pos
+                self.verified_from.setdefault(sid, c.start_pos)
             elif c.sample:
                 sampled[sid] = self.last_token[sid] = next_token(c.seq, self.kv_len[sid])
         return sampled
@@ -111,9 +113,7 @@ def _drive(sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_st
     """Run to completion with up to `depth` steps in flight, as the engine does."""
     finished, steps, in_flight = {}, 0, deque()
     while (sched.has_work or in_flight) and steps < max_steps:
-        # (none behind a step that verifies proposals, as the engine does)
-        ahead = in_flight and in_flight[-1][0].waits_for_result
-        step = sched.schedule() if len(in_flight) < depth and not ahead else None
+        step = sched.schedule() if len(in_flight) < depth else None
         if step is not None:
             assert len(step.chunks) <= sched.config.max_batch
             assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens

@@ -46,10 +46,10 @@ def test_a_sequence_proposes_fewer_when_they_fail_and_pauses_when_none_are_kept(
     assert not state.active and state.pause == 8
     state.decoded(8)
     assert state.active
-    assert state.propose([1, 2, 3], limit=4) == []  # finding nothing is a miss too
-    for _ in range(MISSES_TO_PAUSE - 1):
-        state.verified(1, 0)
-    assert state.pause == 16  # pauses double while nothing is kept
+    # finding nothing is a miss too, and after a fruitless pause one miss starts the next,
+    # twice as long
+    assert state.propose([1, 2, 3], limit=4) == []
+    assert state.pause == 16
     state.decoded(16)
     state.verified(1, 1)
     assert (state.misses, state.pauses) == (0, 0)
@@ -216,3 +216,29 @@ def test_a_sequence_that_cannot_match_is_planned_ahead_from_its_first_decode():
     assert index.may_follow()  # [1, next] may repeat [1, 2]
     index.extend([5])
     assert not index.may_follow()
+
+
+def test_verification_rows_chain_two_steps_in_flight_and_a_wrong_guess_voids_its_row():
+    """With two steps in flight, a sequence's next verification row goes out before the
+    result of the one in flight, its first token guessing that row's last draw; a row whose
+    guess (or whose predecessor's proposals) failed is void, and the outputs stay exact."""
+    prompts = _prompts(3, seed=11)
+    without, _, _ = _run(None, prompts, [60] * 3, depth=2)
+    sched = Scheduler(_config(SPEC))
+    rank = RankModel(4)
+    draw = _context_model(rank)
+    seqs = [Sequence(i + 1, p, 60, SamplingParams()) for i, p in enumerate(prompts)]
+    for s in seqs:
+        sched.add(s)
+    chained, in_flight = [], []
+    while sched.has_work or in_flight:
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            chained += [c for c in step.chunks if c.guess is not None]
+            in_flight.append((step, rank.run(step, draw)))
+            continue
+        sched.apply(*in_flight.pop(0))
+        rank.check_tokens(sched)
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == without
+    void = [c for c in chained if c.void]
+    assert chained and void and len(void) < len(chained)

@@ -369,7 +369,7 @@ class Engine:
         in_flight: deque[tuple[Step, asyncio.Future, float, bool]] = deque()
         try:
             while self._error is None:
-                if self._may_send(in_flight) and self._send_next(in_flight):
+                if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
                     continue
                 if not in_flight:
                     await self._wake.wait()
@@ -384,16 +384,6 @@ class Engine:
         finally:
             for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
-
-    def _may_send(self, in_flight: deque) -> bool:
-        """Whether to plan a step now: up to max_steps_in_flight, but none behind a step that
-        is mostly verification rows, whose sequences could only join the step after next."""
-        if not in_flight:
-            return True
-        return (
-            len(in_flight) < self.config.max_steps_in_flight
-            and not in_flight[-1][0].waits_for_result
-        )
 
     def _check_serving(self) -> None:
         if self._error is not None:
@@ -451,7 +441,7 @@ class Engine:
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
-        if any(c.proposals for c in step.chunks):
+        if step.verifies:
             samples, tokens = _verification_samples(result.samples)
         else:
             samples = {s.seq_id: (s,) for s in result.samples}
@@ -525,7 +515,7 @@ def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
             new_pages=c.new_pages,
             sample=c.sample,
             follows_sample=c.follows_sample,
-            num_samples=c.num_samples if c.proposals else 0,
+            num_samples=c.num_samples if c.verifies else 0,
         )
         if not c.follows_sample
         else None
