@@ -114,7 +114,7 @@ def spec_metrics(engine) -> dict:
         "proposed": s.spec_proposed,
         "accepted": s.spec_kept,
         "verifications": rows,
-        "mean_acceptance_length": round((s.spec_kept + rows) / rows, 3) if rows else 0.0,
+        "mean_acceptance_length": round(s.spec_tokens / rows, 3) if rows else 0.0,
     }
 
 

@@ -172,7 +172,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._next_step_id = 1
         self.num_preemptions = 0
-        self.spec_proposed = self.spec_kept = self.spec_verifications = 0  # for /metrics
+        # For /metrics: proposal tokens sent (chained rows' guesses too) and kept, verification
+        # rows applied, and the tokens those rows gave.
+        self.spec_proposed = self.spec_kept = self.spec_verifications = self.spec_tokens = 0
         # Pages granted to a sequence since the ranks last saw it: sent as its new_pages.
         self._pending_pages: dict[int, int] = {}
 
@@ -521,4 +523,5 @@ class Scheduler:
         self.spec_proposed += len(proposals) + guessed
         self.spec_kept += kept + guessed
         self.spec_verifications += 1
+        self.spec_tokens += kept + 1
         return drawn[: kept + 1]

@@ -260,9 +260,9 @@ class Engine:
                 ]
         if s is not None and s.config.speculation is not None:
             rows = s.spec_verifications
-            mean = (s.spec_kept + rows) / rows if rows else 0.0
+            mean = s.spec_tokens / rows if rows else 0.0
             lines += [
-                "# HELP orbit_spec_proposed_tokens_total Tokens proposed for verification.",
+                "# HELP orbit_spec_proposed_tokens_total Proposed tokens sent for verification.",
                 "# TYPE orbit_spec_proposed_tokens_total counter",
                 f"orbit_spec_proposed_tokens_total {s.spec_proposed}",
                 "# HELP orbit_spec_accepted_tokens_total Proposed tokens kept.",
@@ -271,7 +271,7 @@ class Engine:
                 "# HELP orbit_spec_verifications_total Verification rows run.",
                 "# TYPE orbit_spec_verifications_total counter",
                 f"orbit_spec_verifications_total {rows}",
-                "# HELP orbit_spec_mean_acceptance_length Tokens per verification row.",
+                "# HELP orbit_spec_mean_acceptance_length Output tokens per verification row.",
                 "# TYPE orbit_spec_mean_acceptance_length gauge",
                 f"orbit_spec_mean_acceptance_length {mean:.6f}",
             ]
