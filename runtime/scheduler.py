@@ -329,8 +329,9 @@ class Scheduler:
         if not spec.active:
             return None
         start = ahead.start_pos + 1 + len(ahead.proposals)  # the guessed draw's position
-        limit = min(
+        limit = min(  # proposals after the guess
             room,
+            spec.k,
             seq.max_tokens - len(seq.output_ids) - len(ahead.proposals) - 2,
             self.config.max_seq_len - start - 1,
         )

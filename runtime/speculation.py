@@ -64,13 +64,18 @@ class NgramIndex:
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append the sequence's tokens since the last call."""
-        tokens, ends = self.tokens, self.ends
+        tokens = self.tokens
         start = len(tokens)
         tokens += new_tokens
-        for e in range(max(start, 1), len(tokens)):  # n-grams ending at e, now that e < end
-            for n in self._indexed:
-                if n <= e:
-                    ends[tuple(tokens[e - n : e])] = e
+        last = len(tokens) - 1  # n-grams ending at e in [start, last] are new (e < the end)
+        for n in self._indexed:
+            lo = max(start, n)
+            if lo > last:
+                continue
+            # In C rather than a Python loop: a 512-token prompt is indexed in about 0.2 ms,
+            # which a wave of new sequences pays on the step loop all at once.
+            grams = zip(*(tokens[lo - n + i : last - n + i + 1] for i in range(n)))
+            self.ends.update(zip(grams, range(lo, last + 1)))
 
     def may_follow(self) -> bool:
         """Whether a match is possible once one more token is known: the shortest n-gram then

@@ -235,6 +235,7 @@ def test_verification_rows_chain_two_steps_in_flight_and_a_wrong_guess_voids_its
         step = sched.schedule() if len(in_flight) < 2 else None
         if step is not None:
             chained += [c for c in step.chunks if c.guess is not None]
+            assert all(len(c.proposals) <= SPEC.num_tokens for c in step.chunks)
             in_flight.append((step, rank.run(step, draw)))
             continue
         sched.apply(*in_flight.pop(0))
