@@ -33,6 +33,13 @@ next page is being computed by the step under construction waits one step for it
 computing it again (this is how the choices of an n > 1 request share their prompt). Pages a
 sequence completes are cached as soon as their tokens are known here; a sequence's pages go back
 to the pool when it ends, cached ones as idle pages evicted least recently used.
+
+Speculative decoding (SchedulerConfig.speculation, runtime/speculation.py): a decoding sequence
+may be a verification row of its last known token and proposals, sampled after each token; apply()
+keeps the proposals equal to the draws before them plus the draw after the last, and rolls the
+sequence's computed length back to them. A verification row in flight may have the sequence's
+next row chained behind it (`_chain`), its first token a guess of that row's last draw; a wrong
+guess voids it. docs/scheduler.md has the rules.
 """
 
 from __future__ import annotations
@@ -507,7 +514,8 @@ class Scheduler:
         next tokens overwrite them), unless the row chained behind this one guessed exactly
         these tokens: then that row's KV and draws stand."""
         seq, proposals = c.seq, c.proposals
-        seq.verifying.remove(c)
+        if seq.verifying and seq.verifying[0] is c:  # (by identity: chunks hold sequences)
+            seq.verifying.pop(0)
         kept = 0
         while kept < len(proposals) and proposals[kept] == drawn[kept]:
             kept += 1

@@ -72,8 +72,8 @@ class NgramIndex:
             lo = max(start, n)
             if lo > last:
                 continue
-            # In C rather than a Python loop: a 512-token prompt is indexed in about 0.2 ms,
-            # which a wave of new sequences pays on the step loop all at once.
+            # In C rather than a Python loop (0.38 against 0.76 ms for a 512-token prompt): a
+            # wave of new sequences pays this on the step loop all at once.
             grams = zip(*(tokens[lo - n + i : last - n + i + 1] for i in range(n)))
             self.ends.update(zip(grams, range(lo, last + 1)))
 

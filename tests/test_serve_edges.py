@@ -215,6 +215,19 @@ def test_an_invalid_chat_template_is_refused_at_start(tiny_pkg, tmp_path):
     assert elapsed_s < FAST_FAILURE_S
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (("--speculate", "eagle"), "speculation method 'eagle' is unknown; use one of ngram"),
+        (("--speculate", "ngram", "--spec-tokens", "0"), "speculative tokens must be 1 to 16"),
+    ],
+)
+def test_a_bad_speculation_setting_is_refused_at_start(tiny_pkg, args, says):
+    result, elapsed_s = _serve(tiny_pkg, *args)
+    assert result.returncode == 1 and says in " ".join(result.stderr.split())
+    assert elapsed_s < FAST_FAILURE_S
+
+
 # ---- --log-level and the access log ----
 
 
