@@ -16,9 +16,10 @@ the verification row and the acceptance stay as they are.
 How many to propose (`SpecState`) follows each sequence's own acceptance, so a seeded sequence
 proposes the same whatever its neighbours: all kept -> one more next time (up to the maximum),
 none kept -> half as many. A sequence that proposes nothing or keeps nothing `MISSES_TO_PAUSE`
-times in a row pauses: it decodes without proposals, planned ahead like any other, for a number
-of tokens that doubles with each pause (capped), because a sequence that waits for its own
-result to propose costs the ranks the frontend's round trip every step.
+times in a row pauses: it decodes without proposals, planned ahead like any other, for 8 tokens;
+after a pause that nothing kept ended, one more miss starts the next, twice as long (capped).
+A sequence that waits for its last token in order to propose after it misses the step planned
+meanwhile, so fruitless waits cost it throughput.
 """
 
 from __future__ import annotations
