@@ -13,10 +13,15 @@
 - `batch`: the same engine over a package, --users concurrent streams of random 512-token
   prompts and 256 new tokens (EOS ignored), off/on/off/on: output tokens/s (adaptive k must keep
   speculation from costing throughput when proposals fail).
+- `schedule`: the scheduler alone on the CPU (no ranks): --users sequences of
+  --prompt-tokens random tokens and --new-tokens random draws, two steps in flight, speculation
+  off then on: milliseconds of `schedule()` and `apply()` per step, the engine core's share
+  of a step that the GPU does not see.
 
     python3 -m benchmarks.speculation verify --out DIR
     python3 -m benchmarks.speculation copy --package PKG --device cuda --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
+    python3 -m benchmarks.speculation schedule --users 128
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import time
 from dataclasses import replace
@@ -234,6 +240,49 @@ async def batch_part(args) -> dict:
     return report
 
 
+def schedule_part(args) -> dict:
+    from runtime.sampling import SamplingParams
+    from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
+
+    report: dict = {"users": args.users}
+    for spec in (None, SpeculationConfig(num_tokens=args.spec_tokens)):
+        rng, draws = random.Random(0), random.Random(1)
+        pages = args.users * -(-(args.prompt_tokens + args.new_tokens + 32) // 16)
+        config = SchedulerConfig(pages, 16, 256, 2048, 4096, speculation=spec)
+        sched = Scheduler(config)
+        for i in range(args.users):
+            ids = [rng.randrange(49152) for _ in range(args.prompt_tokens)]
+            sched.add(Sequence(i + 1, ids, args.new_tokens, SamplingParams()))
+        in_flight, schedule_s, apply_s, steps = [], 0.0, 0.0, 0
+        while sched.has_work or in_flight:
+            step = None
+            if len(in_flight) < 2:
+                t0 = time.perf_counter()
+                step = sched.schedule()
+                schedule_s += time.perf_counter() - t0
+            if step is not None:
+                steps += 1
+                sampled = {
+                    c.seq.seq_id: [draws.randrange(128256) for _ in range(c.num_samples)]
+                    if c.verifies
+                    else draws.randrange(128256)
+                    for c in step.sampling_chunks
+                }
+                in_flight.append((step, sampled))
+                continue
+            t0 = time.perf_counter()
+            sched.apply(*in_flight.pop(0))
+            apply_s += time.perf_counter() - t0
+        report["ngram" if spec else "off"] = {
+            "steps": steps,
+            "schedule_ms_per_step": round(schedule_s / steps * 1e3, 3),
+            "apply_ms_per_step": round(apply_s / steps * 1e3, 3),
+            "verifications": sched.spec_verifications,
+        }
+    print(json.dumps(report), flush=True)
+    return report
+
+
 def verify_part(args) -> dict:
     import torch
 
@@ -268,7 +317,7 @@ def verify_part(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("part", choices=["verify", "copy", "batch"])
+    p.add_argument("part", choices=["verify", "copy", "batch", "schedule"])
     p.add_argument("--package", type=Path)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--kv-pages", type=int, default=0, help="per rank; 0 sizes from memory")
@@ -282,6 +331,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     if args.part == "verify":
         report = verify_part(args)
+    elif args.part == "schedule":
+        report = schedule_part(args)
     else:
         if args.package is None:
             p.error(f"{args.part} needs --package")
