@@ -243,3 +243,12 @@ def test_verification_rows_chain_two_steps_in_flight_and_a_wrong_guess_voids_its
     assert [(s.output_ids, s.finish_reason) for s in seqs] == without
     void = [c for c in chained if c.void]
     assert chained and void and len(void) < len(chained)
+
+
+def test_the_scheduler_benchmark_compares_both_modes():
+    from benchmarks.speculation import main
+
+    report = main(["schedule", "--users", "8", "--prompt-tokens", "40", "--new-tokens", "24"])
+    for mode in ("off", "ngram"):
+        assert report[mode]["steps"] >= 24 and report[mode]["schedule_ms_per_step"] > 0
+    assert report["off"]["verifications"] == 0
