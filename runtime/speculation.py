@@ -13,8 +13,8 @@ The proposer boundary is `propose(seq, k) -> tokens`. The n-gram proposer below 
 needs no model; a draft model or an EAGLE-style head would propose from the ranks instead, and
 the verification row and the acceptance stay as they are.
 
-How many to propose (`SpecState`) follows each sequence's own acceptance, so a seeded sequence
-proposes the same whatever its neighbours: all kept -> one more next time (up to the maximum),
+How many to propose (`SpecState`) follows each sequence's own acceptance (its output never
+depends on it): all kept -> one more next time (up to the maximum),
 none kept -> half as many. A sequence that proposes nothing or keeps nothing `MISSES_TO_PAUSE`
 times in a row pauses: it decodes without proposals, planned ahead like any other, for 8 tokens;
 after a pause that nothing kept ended, one more miss starts the next, twice as long (capped).
