@@ -344,8 +344,7 @@ class Scheduler:
         )
         if limit < 0:
             return None
-        known = seq.tokens(len(spec.index.tokens), seq.num_tokens)
-        found = spec.index.propose_after(known, ahead.proposals, limit + 1)
+        found = spec.index.propose_after(_unindexed(seq), ahead.proposals, limit + 1)
         if not found or not self._reserve(seq, start + len(found), preempt=False):
             return None
         chunk = self._chunk(seq, len(found), step_id, found[1:])
@@ -359,7 +358,7 @@ class Scheduler:
         spec = seq.spec
         if not spec.active:
             return False
-        return spec.may_propose_next(seq.tokens(len(spec.index.tokens), seq.num_tokens))
+        return spec.may_propose_next(_unindexed(seq))
 
     def _propose(self, seq: Sequence, room: int) -> list[int]:
         """Proposals for seq's next decode (none while it pauses or a step in flight samples
@@ -373,7 +372,7 @@ class Scheduler:
             seq.max_tokens - len(seq.output_ids) - 1,
             self.config.max_seq_len - seq.num_tokens,
         )
-        return spec.propose(seq.tokens(len(spec.index.tokens), seq.num_tokens), limit)
+        return spec.propose(_unindexed(seq), limit)
 
     def _prefill_candidates(self) -> list[Sequence]:
         partial = [s for s in self.running if self._uncomputed(s) > 1 or not s.num_computed]
@@ -534,3 +533,8 @@ class Scheduler:
         self.spec_verifications += 1
         self.spec_tokens += kept + 1
         return drawn[: kept + 1]
+
+
+def _unindexed(seq: Sequence) -> list[int]:
+    """seq's known tokens that its n-gram index has not been given yet."""
+    return seq.tokens(len(seq.spec.index.tokens), seq.num_tokens)

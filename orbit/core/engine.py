@@ -441,10 +441,11 @@ class Engine:
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
-        if step.verifies:
+        verifies = step.verifies
+        if verifies:
             samples, tokens = _verification_samples(result.samples)
         else:
-            samples = {s.seq_id: (s,) for s in result.samples}
+            samples = {s.seq_id: s for s in result.samples}
             tokens = {s.seq_id: s.token_id for s in result.samples}
         for s in result.samples:
             if s.error:
@@ -463,7 +464,8 @@ class Engine:
             if len(seq.output_ids) == n:
                 out.cached_tokens = seq.cached_tokens or 0
             if owner.logprobs:
-                for s in samples[seq.seq_id][:n]:
+                picked = samples[seq.seq_id]
+                for s in picked[:n] if verifies else (picked,):
                     out.logprobs.append(s.logprob)
                     out.top.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
             if seq.finish_reason is not None:
