@@ -160,7 +160,7 @@ def random_shard(spec) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_runner(spec, tensors, args):
+def build_runner(spec, tensors, args, quant=None):
     from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
     from runtime.layers import TPGroup
     from runtime.model import build_model
@@ -174,7 +174,7 @@ def build_runner(spec, tensors, args):
         decode_batch_buckets=default_decode_buckets(max_batch),
         prefill_chunk_sizes=default_prefill_chunks(2048),
     )
-    model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda")
+    model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda", quant)
     t0 = time.perf_counter()
     options = CudaRunnerOptions(
         kv_fraction=args.kv_fraction, fused_decode_max_bucket=args.fused_decode_max_bucket

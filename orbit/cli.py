@@ -71,9 +71,15 @@ def prepare(
     sign: Annotated[
         Path | None, typer.Option(help="Ed25519 private key (orbit keygen) to sign the manifest.")
     ] = None,
+    quantize: Annotated[
+        str | None,
+        typer.Option(help="fp8: FP8 weights with per-row scales (an FP8 checkpoint stays FP8)."),
+    ] = None,
 ) -> None:
     """Turn a checkpoint into a TP-sharded package."""
     _check_tp_fast(model, tp)
+    if quantize not in (None, "fp8"):
+        fail(f"--quantize {quantize!r} is not supported; pass --quantize fp8 or leave it out.")
     from prepare.build import PrepareOptions, prepare_package
     from prepare.source import SourceError
     from runtime.layout import ShardingError
@@ -88,6 +94,7 @@ def prepare(
         max_step_tokens=max_step_tokens,
         force=force,
         sign_key=sign,
+        quantize=quantize or "",
     )
     try:
         path = prepare_package(model, out, opts)

@@ -16,18 +16,20 @@ from rich.progress import Progress
 
 from prepare.model_spec import model_spec_from_config, sliding_window_limit
 from prepare.options import PrepareOptions
-from prepare.shard import check_source_names, rank_tensors
+from prepare.shard import LinearCutter, check_source_names, rank_tensors
 from prepare.source import Checkpoint, SourceError, open_checkpoint
+from prepare.source_quant import SourceQuant, source_quant
 from proto import package_pb2
-from runtime.layout import check_tp, shard_shapes
+from runtime.layout import check_block_split, check_tp, shard_tensors
 from runtime.package import (
     DTYPES,
-    FORMAT_VERSION,
     MANIFEST_NAME,
     check_shard_tensors,
+    format_version_for,
     sha256_file,
     shard_path,
 )
+from runtime.quant import WeightQuant
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 from runtime.version import __version__
@@ -39,14 +41,16 @@ def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool
         raise FileExistsError(f"{out} already exists; pass --force to replace it.")
     signer = load_private_key(opts.sign_key) if opts.sign_key else None
     ckpt = open_checkpoint(Path(model))
-    manifest = _manifest_head(ckpt, opts)
+    source = source_quant(ckpt.config)
+    quant = _package_quant(source, opts.quantize)
+    manifest = _manifest_head(ckpt, opts, quant)
     spec = model_spec_from_config(ckpt.config, opts.tp)
     check_source_names(ckpt.tensors, spec)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         _write_tokenizer(ckpt, tmp, manifest)
-        _write_shards(ckpt, tmp, manifest, progress)
+        _write_shards(ckpt, tmp, manifest, LinearCutter(ckpt.tensors, quant, source), progress)
         data = manifest.SerializeToString()
         if signer is not None:
             _write_atomic(tmp / SIGNATURE_NAME, sign_manifest(data, signer))
@@ -58,9 +62,21 @@ def prepare_package(model: Path, out: Path, opts: PrepareOptions, progress: bool
     return out
 
 
-def _manifest_head(ckpt: Checkpoint, opts: PrepareOptions) -> package_pb2.Manifest:
+def _package_quant(source: SourceQuant | None, quantize: str) -> WeightQuant | None:
+    if quantize not in ("", "fp8"):
+        raise SourceError(f"--quantize {quantize!r} is not supported; the one scheme is fp8.")
+    if source is not None:
+        return source.quant
+    return WeightQuant("fp8-channel") if quantize == "fp8" else None
+
+
+def _manifest_head(
+    ckpt: Checkpoint, opts: PrepareOptions, quant: WeightQuant | None
+) -> package_pb2.Manifest:
     spec = model_spec_from_config(ckpt.config, opts.tp)
     check_tp(spec, opts.tp)
+    if quant is not None:
+        check_block_split(spec, opts.tp, quant)
     dtype = opts.dtype
     if dtype == "auto":
         dtype = {v: k for k, v in DTYPES.items()}.get(ckpt.source_dtype, "float32")
@@ -87,8 +103,8 @@ def _manifest_head(ckpt: Checkpoint, opts: PrepareOptions) -> package_pb2.Manife
         decode_batch_buckets=default_decode_buckets(opts.max_batch),
         prefill_chunk_sizes=default_prefill_chunks(opts.max_step_tokens),
     )
-    return package_pb2.Manifest(
-        format_version=FORMAT_VERSION,
+    manifest = package_pb2.Manifest(
+        format_version=format_version_for(quant),
         producer_version=__version__,
         source_name=ckpt.name,
         model=spec.to_proto(),
@@ -96,6 +112,9 @@ def _manifest_head(ckpt: Checkpoint, opts: PrepareOptions) -> package_pb2.Manife
         tp_size=opts.tp,
         capacities=caps.to_proto(),
     )
+    if quant is not None:
+        manifest.quantization.CopyFrom(quant.to_proto())
+    return manifest
 
 
 def _file_entry(root: Path, path: Path) -> package_pb2.FileEntry:
@@ -125,22 +144,26 @@ def _write_tokenizer(ckpt: Checkpoint, root: Path, manifest: package_pb2.Manifes
 
 
 def _write_shards(
-    ckpt: Checkpoint, root: Path, manifest: package_pb2.Manifest, progress: bool
+    ckpt: Checkpoint,
+    root: Path,
+    manifest: package_pb2.Manifest,
+    linears: LinearCutter,
+    progress: bool,
 ) -> None:
     from safetensors.torch import save_file
 
     spec = model_spec_from_config(ckpt.config, manifest.tp_size)
     tp, dtype = manifest.tp_size, DTYPES[manifest.dtype]
-    shapes = shard_shapes(spec, tp)
+    expected = shard_tensors(spec, tp, dtype, linears.target)
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("preparing shards", total=tp * len(shapes))
+        task = bar.add_task("preparing shards", total=tp * len(expected))
         for rank in range(tp):
             tensors = {}
-            for name, t in rank_tensors(ckpt.tensors, spec, rank, tp):
-                tensors[name] = t.to(dtype).contiguous()
+            for name, t in rank_tensors(ckpt.tensors, spec, rank, tp, linears):
+                tensors[name] = t.to(expected[name][1]).contiguous()
                 bar.advance(task)
             path = root / shard_path(rank, tp)
-            check_shard_tensors(path, tensors, shapes, dtype)
+            check_shard_tensors(path, tensors, expected)
             path.parent.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path), metadata={"orbit_rank": str(rank), "orbit_tp": str(tp)})
             del tensors

@@ -37,7 +37,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from prepare.build import PrepareOptions, prepare_package
 from prepare.source_header import check_source_tp
-from runtime.package import FORMAT_VERSION, MANIFEST_NAME
+from runtime.package import MANIFEST_NAME
 
 DIGESTS_NAME = "source-digests.json"
 # Weights formats Orbit never reads: hashing them would only slow the first start down.
@@ -80,7 +80,8 @@ def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bo
     fields = {
         "source_name": source.name,
         "source_sha256": digest,
-        "format_version": FORMAT_VERSION,
+        # What prepare writes for the same source and options; bump when that changes.
+        "format_version": 1,
         "tp": opts.tp,
         "dtype": opts.dtype,
         "max_seq_len": opts.max_seq_len,
@@ -88,6 +89,8 @@ def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bo
         "kv_page_size": opts.kv_page_size,
         "max_step_tokens": opts.max_step_tokens,
     }
+    if opts.quantize:  # absent otherwise, so entries prepared before the flag existed still hit
+        fields["quantize"] = opts.quantize
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", source.stem if source.is_file() else source.name)
     return cache_dir / "packages" / f"{stem}-tp{opts.tp}-{opts.dtype}-{key}"

@@ -17,3 +17,6 @@ class PrepareOptions:
     max_step_tokens: int = 2048
     force: bool = False
     sign_key: Path | None = None  # Ed25519 private key: writes manifest.sig
+    # "fp8": FP8 weights with per-row scales for the linear layers of an unquantized checkpoint
+    # (an FP8 checkpoint keeps its own scheme either way); "": as the checkpoint.
+    quantize: str = ""

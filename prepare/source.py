@@ -29,6 +29,10 @@ class TensorSource(Protocol):
 
     def shape(self, name: str) -> tuple[int, ...]: ...
 
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor (small ones: scales)."""
+        ...
+
 
 class SafetensorsSource:
     """Tensors of an HF directory's *.safetensors files, read slice by slice."""
@@ -50,6 +54,9 @@ class SafetensorsSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._where[name].get_slice(name).get_shape())
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._where[name].get_tensor(name)
 
     def slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         s = self._where[name].get_slice(name)
@@ -74,6 +81,9 @@ class StateDictSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._sd[name].shape)
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._sd[name]
 
     def slice(self, name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         return self._sd[name].narrow(dim, start, stop - start)

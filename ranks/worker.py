@@ -126,7 +126,7 @@ class Rank:
         cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
         self.phases.enter(wire_pb2.PHASE_LOAD)
         tensors = pkg.load_shard(cfg.rank, self.device)
-        model = build_model(spec, tensors, group, caps.max_seq_len, self.device)
+        model = build_model(spec, tensors, group, caps.max_seq_len, self.device, pkg.quant)
         self.phases.enter(wire_pb2.PHASE_KV_ALLOCATION)
         if cfg.device == "cuda":
             return self._cuda_runner(model, caps)

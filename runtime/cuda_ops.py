@@ -2,7 +2,8 @@
 CUDA tensors) and the attention classes: FlashInfer's RMSNorm and fused add + RMSNorm, and
 Triton kernels for RoPE with the paged KV write, SiLU-and-multiply, and the one-row products
 of decode at batch 1 (GEMVs, with the add + RMSNorm before qkv and gate_up and the SiLU-mul
-before down fused in). FlashInfer and Triton are imported on first use, so
+before down fused in; FP8 weights too), and for FP8 weights at more rows, the per-token
+activation quantization and the FP8 GEMMs. FlashInfer and Triton are imported on first use, so
 this module loads on machines that have neither (the CPU reference path never calls it).
 
 Each function allocates its output with the caching allocator; inside a captured CUDA graph
@@ -63,44 +64,114 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _one_row(x: torch.Tensor) -> bool:
+def one_row(x: torch.Tensor) -> bool:
     """A decode step of one sequence: its products are GEMVs, which Orbit's kernels run at the
     weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv)."""
     return x.shape[0] == 1 and x.is_contiguous()
 
 
-def _rows_tile(n: int, k: int) -> tuple[int, int, int]:
+def _rows_tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     """(rows per block, warps, programs per SM) of the GEMV: the best of the H200 sweep over
     the 8B shapes (benchmarks/kernels.py --part gemv): two rows a block, four programs of 8
-    warps per SM, except for long rows (down), one row a block and two programs per SM."""
+    warps per SM, except for long rows (down), one row a block and two programs per SM. FP8
+    weights (benchmarks/fp8.py --sweep-only): two rows a block of 4 warps, four per SM; for
+    down, two rows a block of 16 warps, two per SM."""
+    if fp8:
+        return (2, 16, 2) if k > 4096 else (2, 4, 4)
     return (1, 8, 2) if k > 4096 else (2, 8, 4)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [T, K] @ w [N, K]^T (+ bias): one row through Orbit's GEMV, more through cuBLAS."""
-    if not _one_row(x):
+def linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T (+ bias): one row through Orbit's GEMV, more through cuBLAS. With
+    `scale` (an FP8 w's, per row, or per `block` for block scales; runtime/quant.py) one row
+    only: the GEMV applies it."""
+    if not one_row(x):
         return F.linear(x, w, bias)
     from runtime import triton_kernels
 
     out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
-    triton_kernels.gemv_rows(x, w, bias, out, _rows_tile(*w.shape))
+    triton_kernels.gemv_rows(
+        x, w, bias, out, _rows_tile(*w.shape, scale is not None), w_scale=scale, w_block=block
+    )
     return out
 
 
-def silu_and_mul_linear(gate_up: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def silu_and_mul_linear(
+    gate_up: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
+) -> torch.Tensor:
     """silu_and_mul(gate_up) @ w^T; one row in one kernel."""
-    if not _one_row(gate_up):
+    if not one_row(gate_up):
         return F.linear(silu_and_mul(gate_up), w)
     from runtime import triton_kernels
 
     out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
-    triton_kernels.gemv_rows(gate_up, w, None, out, _rows_tile(*w.shape), silu_mul=True)
+    triton_kernels.gemv_rows(
+        gate_up,
+        w,
+        None,
+        out,
+        _rows_tile(*w.shape, scale is not None),
+        silu_mul=True,
+        w_scale=scale,
+        w_block=block,
+    )
     return out
+
+
+def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (float8 [T, K], float32 scales [T, K / group]): each group of `group`
+    columns of a row scaled so its largest magnitude lands on the FP8 maximum (group = K: one
+    scale per row)."""
+    from runtime import triton_kernels
+
+    t, k = x.shape
+    out = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((t, k // group), dtype=torch.float32, device=x.device)
+    if t:
+        triton_kernels.quantize_rows(x, out, scales, group)
+    return out, scales
+
+
+def fp8_rowwise_mm(
+    x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [T, K] @ (w [N, K] float8 * scale [N] per row)^T (+ bias), on the FP8 tensor cores
+    with x quantized per token: cuBLASLt's row-wise scaled GEMM."""
+    xq, xs = quantize_rows(x, x.shape[1])
+    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    return out if bias is None else out + bias
+
+
+def fp8_block_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """x [T, K] @ (w [N, K] float8 scaled per block)^T (+ bias), x quantized per token and
+    block of columns, in Orbit's Triton GEMM."""
+    from runtime import triton_kernels
+
+    xq, xs = quantize_rows(x, block[1])
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    if x.shape[0]:
+        triton_kernels.fp8_block_mm(xq, xs, w, scale, out, block)
+    return out if bias is None else out + bias
 
 
 def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
     """Whether norm_linear takes these: one row, contiguous."""
-    return _one_row(x) and (residual is None or residual.is_contiguous())
+    return one_row(x) and (residual is None or residual.is_contiguous())
 
 
 def norm_linear(
@@ -110,6 +181,8 @@ def norm_linear(
     eps: float,
     w: torch.Tensor,
     bias: torch.Tensor | None,
+    scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(s) * norm_weight) @ w^T (+ bias) and s = x + residual (s = x when residual is
     None), for one row, in one kernel: every program of the GEMV normalises the row itself."""
@@ -122,10 +195,12 @@ def norm_linear(
         w,
         bias,
         out,
-        _rows_tile(*w.shape),
+        _rows_tile(*w.shape, scale is not None),
         norm_weight=norm_weight,
         eps=eps,
         residual=residual,
         residual_out=stream,
+        w_scale=scale,
+        w_block=block,
     )
     return out, (x if stream is None else stream)

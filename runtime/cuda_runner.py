@@ -108,7 +108,7 @@ def build_cuda_runner(
     up, capture the decode graphs. Returns the runner and the pages the scheduler may use."""
     device = torch.device("cuda", torch.cuda.current_device())
     tensors = pkg.load_shard(settings.rank, device)
-    model = build_model(pkg.spec, tensors, group, pkg.capacities.max_seq_len, device)
+    model = build_model(pkg.spec, tensors, group, pkg.capacities.max_seq_len, device, pkg.quant)
     options = CudaRunnerOptions(kv_fraction=kv_fraction, max_kv_pages=settings.kv_pages)
     runner = CudaGraphRunner(model, pkg.capacities, options)
     runner.capture()

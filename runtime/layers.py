@@ -76,54 +76,55 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2 I] holding [gate | up] -> silu(gate) * up, [T, I]."""
-    if _fused_kernels(gate_up):
-        return cuda_ops.silu_and_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def norm_linear(norm: RMSNorm, linear: "Linear", x: torch.Tensor, residual: torch.Tensor | None):
     """linear(norm(s)) and the stream s = x + residual (s = x when residual is None); on the
     CUDA path a single row takes one kernel for the add, the norm and the product."""
-    if _fused_kernels(x) and cuda_ops.fuses_norm(x, residual):
-        return cuda_ops.norm_linear(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
-    h, residual = norm.add_forward(x, residual)
-    return linear(h), residual
+    return linear.mm.norm_linear(norm, x, residual, linear)
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b) over this rank's slice of W; no communication."""
+    """y = x W^T (+ b) over this rank's slice of W; no communication. `mm` (runtime/matmul.py)
+    is how it multiplies, set when the model is built; `weight_scale` is the FP8 weight's
+    scale (runtime/quant.py), None for a dense weight."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        scale_shape: tuple[int, ...] | None = None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale = (
+            nn.Parameter(torch.empty(scale_shape), requires_grad=False) if scale_shape else None
+        )
+        self.mm = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_kernels(x):
-            return cuda_ops.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return self.mm.linear(x, self)
 
 
 class RowParallelLinear(Linear):
     """Input split by columns across ranks; partial products are summed with an all-reduce."""
 
-    def __init__(self, in_local: int, out_features: int, group: TPGroup):
-        super().__init__(in_local, out_features)
+    def __init__(
+        self,
+        in_local: int,
+        out_features: int,
+        group: TPGroup,
+        scale_shape: tuple[int, ...] | None = None,
+    ):
+        super().__init__(in_local, out_features, scale_shape=scale_shape)
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _fused_kernels(x):
-            return self.group.all_reduce(cuda_ops.linear(x, self.weight, None))
-        return self.group.all_reduce(F.linear(x, self.weight))
+        return self.group.all_reduce(self.mm.linear(x, self))
 
     def after_silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """self(silu_and_mul(gate_up)), in one kernel where the CUDA path has one."""
-        if _fused_kernels(gate_up):
-            return self.group.all_reduce(cuda_ops.silu_and_mul_linear(gate_up, self.weight))
-        return self(silu_and_mul(gate_up))
+        return self.group.all_reduce(self.mm.silu_mul_linear(gate_up, self))
 
 
 class VocabParallelEmbedding(nn.Module):

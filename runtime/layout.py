@@ -9,10 +9,16 @@ the single statement of how a model is split:
   the partial outputs are summed with an all-reduce.
 - The embedding and LM head are split by vocabulary rows, padded to padded_vocab_size.
 - Norm weights (and Qwen3's per-head q/k norms) are replicated.
+- In a package with FP8 weights (runtime/quant.py), qkv, o, gate_up and down are float8 and
+  each has a float32 `weight_scale` beside it, split with its weight: per-row scales follow
+  the rows, block scales the blocks, and no rank's slice may cut a block.
 """
 
 from __future__ import annotations
 
+import torch
+
+from runtime.quant import FP8, QUANTIZED_LINEARS, WeightQuant
 from runtime.spec import ModelSpec
 
 
@@ -72,3 +78,42 @@ def shard_shapes(spec: ModelSpec, tp: int) -> dict[str, tuple[int, ...]]:
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (vocab_local, h)
     return shapes
+
+
+def check_block_split(spec: ModelSpec, tp: int, quant: WeightQuant) -> None:
+    """Refuse a TP size whose slices would cut an FP8 scale block, naming the first cut."""
+    if quant.scheme != "fp8-block":
+        return
+    rows, cols = quant.block
+    hd = spec.head_dim
+    cuts = [  # (what, the rank's slice, the block edge it must be a multiple of)
+        ("q_proj rows", spec.num_heads // tp * hd, rows),
+        ("k_proj and v_proj rows", spec.num_kv_heads // tp * hd, rows),
+        ("gate_proj and up_proj rows", spec.intermediate_size // tp, rows),
+        ("o_proj columns", spec.num_heads // tp * hd, cols),
+        ("down_proj columns", spec.intermediate_size // tp, cols),
+    ]
+    for what, size, edge in cuts:
+        if size % edge:
+            raise ShardingError(
+                f"each rank's slice of {what} is {size} at --tp {tp}, not a multiple of the "
+                f"checkpoint's {rows}x{cols} FP8 scale blocks, so a block would straddle ranks "
+                f"or projections; pick a TP size that keeps whole blocks."
+            )
+
+
+def shard_tensors(
+    spec: ModelSpec, tp: int, dtype: torch.dtype, quant: WeightQuant | None
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of one rank's shard: name -> (shape, dtype)."""
+    out = {name: (shape, dtype) for name, shape in shard_shapes(spec, tp).items()}
+    if quant is None:
+        return out
+    check_block_split(spec, tp, quant)
+    for i in range(spec.num_layers):
+        for linear in QUANTIZED_LINEARS:
+            name = f"layers.{i}.{linear}.weight"
+            shape = out[name][0]
+            out[name] = (shape, FP8)
+            out[f"layers.{i}.{linear}.weight_scale"] = (quant.scale_shape(*shape), torch.float32)
+    return out

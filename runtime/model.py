@@ -26,12 +26,14 @@ from runtime.layers import (
     VocabParallelEmbedding,
     norm_linear,
 )
+from runtime.matmul import matmul_for
+from runtime.quant import WeightQuant
 from runtime.rope import cos_sin_table
 from runtime.spec import ModelSpec
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, group: TPGroup, index: int):
+    def __init__(self, spec: ModelSpec, group: TPGroup, index: int, quant: WeightQuant | None):
         super().__init__()
         tp, hd, h = group.size, spec.head_dim, spec.hidden_size
         self.index = index
@@ -39,16 +41,20 @@ class DecoderLayer(nn.Module):
         self.head_dim = hd
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         inter = spec.intermediate_size // tp
+
+        def scale(rows: int, cols: int):  # an FP8 weight's scale, None for a dense one
+            return quant.scale_shape(rows, cols) if quant else None
+
         self.attn_norm = RMSNorm(h, spec.rms_norm_eps)
-        self.qkv = Linear(h, q + 2 * kv, bias=spec.qkv_bias)
+        self.qkv = Linear(h, q + 2 * kv, bias=spec.qkv_bias, scale_shape=scale(q + 2 * kv, h))
         if spec.qk_norm:
             self.q_norm = RMSNorm(hd, spec.rms_norm_eps)
             self.k_norm = RMSNorm(hd, spec.rms_norm_eps)
         self.qk_norm = spec.qk_norm
-        self.o = RowParallelLinear(q, h, group)
+        self.o = RowParallelLinear(q, h, group, scale_shape=scale(h, q))
         self.mlp_norm = RMSNorm(h, spec.rms_norm_eps)
-        self.gate_up = Linear(h, 2 * inter)
-        self.down = RowParallelLinear(inter, h, group)
+        self.gate_up = Linear(h, 2 * inter, scale_shape=scale(2 * inter, h))
+        self.down = RowParallelLinear(inter, h, group, scale_shape=scale(h, inter))
 
     def forward(self, x, residual, cos, sin, attn) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (the embedding, with residual None, for layer 0);
@@ -74,12 +80,20 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, spec: ModelSpec, group: TPGroup, max_positions: int):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        group: TPGroup,
+        max_positions: int,
+        quant: WeightQuant | None = None,
+    ):
         super().__init__()
         vocab_local = spec.padded_vocab_size // group.size
         self.spec = spec
         self.embed = VocabParallelEmbedding(vocab_local, spec.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(spec, group, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, group, i, quant) for i in range(spec.num_layers)
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = ParallelLMHead(vocab_local, spec.hidden_size, spec.vocab_size, group)
         cos, sin = cos_sin_table(spec, max_positions)
@@ -106,10 +120,13 @@ def build_model(
     group: TPGroup,
     max_positions: int,
     device: torch.device | str = "cpu",
+    quant: WeightQuant | None = None,
 ) -> Transformer:
-    """A Transformer whose parameters are the shard's tensors themselves (no copy)."""
+    """A Transformer whose parameters are the shard's tensors themselves (no copy; FP8 weights
+    that cannot run as FP8 here are dequantized, runtime/matmul.py), each linear layer's way
+    of multiplying chosen here, once."""
     with torch.device("meta"):
-        model = Transformer(spec, group, max_positions)
+        model = Transformer(spec, group, max_positions, quant)
     tensors = dict(tensors)
     if spec.tie_word_embeddings:
         tensors["lm_head.weight"] = tensors["embed.weight"]
@@ -119,4 +136,7 @@ def build_model(
     cos, sin = cos_sin_table(spec, max_positions)
     dtype = tensors["embed.weight"].dtype
     model.rope_cos, model.rope_sin = cos.to(device, dtype), sin.to(device, dtype)
+    for layer in model.modules():
+        if isinstance(layer, Linear):
+            layer.mm = matmul_for(layer, quant, dtype)
     return model.eval()

@@ -14,13 +14,22 @@ import torch
 from google.protobuf.message import DecodeError
 
 from proto import package_pb2
-from runtime.layout import shard_shapes
+from runtime.layout import shard_tensors
+from runtime.quant import SCHEMES, WeightQuant
 from runtime.spec import Capacities, ModelSpec
 
 MANIFEST_NAME = "manifest.pb"
-# Format versions this Orbit reads; see docs/package-format.md for what each one means.
-FORMAT_VERSION = 1
-READABLE_FORMAT_VERSIONS = (1,)
+# Format versions this Orbit reads; see docs/package-format.md for what each one means. A
+# package is written with the lowest version that can hold it: 2 only for FP8 weights, so
+# older Orbits keep loading every package they could load before.
+FORMAT_VERSION = 2
+READABLE_FORMAT_VERSIONS = (1, 2)
+
+
+def format_version_for(quant: WeightQuant | None) -> int:
+    return 1 if quant is None else 2
+
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -86,6 +95,10 @@ class Package:
     def dtype(self) -> torch.dtype:
         return DTYPES[self.manifest.dtype]
 
+    @cached_property
+    def quant(self) -> WeightQuant | None:
+        return WeightQuant.from_proto(self.manifest.quantization)
+
     @property
     def tokenizer_dir(self) -> Path:
         return self.root / "tokenizer"
@@ -109,7 +122,8 @@ class Package:
             tensors = load_file(str(path), device=str(device))
         except Exception as e:  # safetensors raises its own error types
             raise PackageError(f"{path}: cannot be read as safetensors ({e}).") from e
-        check_shard_tensors(path, tensors, shard_shapes(self.spec, self.tp_size), self.dtype)
+        expected = shard_tensors(self.spec, self.tp_size, self.dtype, self.quant)
+        check_shard_tensors(path, tensors, expected)
         return tensors
 
 
@@ -141,8 +155,7 @@ def verify_file(root: Path, entry: package_pb2.FileEntry) -> None:
 def check_shard_tensors(
     path: Path,
     tensors: dict[str, torch.Tensor],
-    expected: dict[str, tuple[int, ...]],
-    dtype: torch.dtype,
+    expected: dict[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> None:
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -150,7 +163,7 @@ def check_shard_tensors(
         raise PackageError(f"{path}: tensor {missing[0]!r} is missing.")
     if extra:
         raise PackageError(f"{path}: unexpected tensor {extra[0]!r}.")
-    for name, shape in expected.items():
+    for name, (shape, dtype) in expected.items():
         t = tensors[name]
         if tuple(t.shape) != shape:
             raise PackageError(
@@ -182,7 +195,22 @@ def check_manifest(root: Path, m: package_pb2.Manifest) -> None:
         raise PackageError(f"{where}: capacities.decode_batch_buckets must end at max_batch.")
     if not c.prefill_chunk_sizes:
         raise PackageError(f"{where}: capacities.prefill_chunk_sizes is empty.")
-    shard_shapes(ModelSpec.from_proto(m.model), m.tp_size)  # raises on a spec that cannot split
+    quant = WeightQuant.from_proto(m.quantization)
+    if quant is not None:
+        if quant.scheme not in SCHEMES:
+            raise PackageError(
+                f"{where}: quantization.weights {quant.scheme!r} is not one of "
+                f"{', '.join(SCHEMES)}; upgrade Orbit."
+            )
+        if quant.scheme == "fp8-block" and min(quant.block) < 1:
+            raise PackageError(f"{where}: fp8-block quantization without a block size.")
+        if m.format_version < 2:
+            raise PackageError(
+                f"{where}: quantized weights need format_version 2, the manifest says "
+                f"{m.format_version}; re-create the package with `orbit prepare`."
+            )
+    # raises on a spec that cannot split (or split without cutting a scale block)
+    shard_tensors(ModelSpec.from_proto(m.model), m.tp_size, DTYPES[m.dtype], quant)
 
 
 def open_package(

@@ -494,7 +494,15 @@ def _gemv_rows_kernel(
     SILU_MUL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
+    w_scale_ptr,
+    SCALE_COLS: tl.constexpr,
+    W_SCALE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
 ):
+    # W_SCALE: 0 a dense w; 1 float8 w with one scale per row; 2 float8 w with one scale per
+    # (BLOCK_ROWS x BLOCK_COLS) block, SCALE_COLS blocks a row. The scales multiply the dot
+    # products (per block of columns for 2), so the weights are read once, as float8.
     # Persistent form: a grid of a few programs per SM, each taking row blocks pid, pid + G,
     # ... of w with the whole K in one tile, so the activation row is read (and normalised)
     # once per program rather than once per row block, and the next block's weights are in
@@ -539,7 +547,24 @@ def _gemv_rows_kernel(
             other=0.0,
             eviction_policy="evict_first",
         )
-        y = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if W_SCALE == 2:
+            parts = tl.sum(
+                tl.reshape(
+                    w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // BLOCK_COLS, BLOCK_COLS)
+                ),
+                axis=2,
+            )
+            kb = tl.arange(0, BLOCK_K // BLOCK_COLS)
+            ws = tl.load(
+                w_scale_ptr + (rows // BLOCK_ROWS)[:, None] * SCALE_COLS + kb[None, :],
+                mask=(rows < N)[:, None] & (kb < SCALE_COLS)[None, :],
+                other=0.0,
+            )
+            y = tl.sum(parts * ws, axis=1)
+        else:
+            y = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+        if W_SCALE == 1:
+            y *= tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(dtype), mask=rows < N)
@@ -557,13 +582,30 @@ def gemv_rows(
     eps: float = 0.0,
     residual=None,
     residual_out=None,
+    w_scale=None,
+    w_block=None,
 ) -> None:
     """The persistent one-row GEMV: out [1, N] = a [1, K] @ w [N, K]^T (+ bias), where a is x,
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
-    (BLOCK_N, num_warps, programs per SM)."""
+    (BLOCK_N, num_warps, programs per SM). w_scale: a float8 w's scales, [N] per row or
+    [ceil(N / rows), ceil(K / cols)] per block of w_block = (rows, cols), both powers of 2."""
     n, k = w.shape
     block_n, warps, per_sm = tile
+    scaled = dict(w_scale_ptr=w, SCALE_COLS=0, W_SCALE=0, BLOCK_ROWS=1, BLOCK_COLS=1)
+    block_k = triton.next_power_of_2(k)
+    if w_scale is not None and w_scale.dim() == 1:
+        scaled.update(w_scale_ptr=w_scale, W_SCALE=1)
+    elif w_scale is not None:
+        rows, cols = w_block
+        block_k = max(block_k, cols)
+        scaled = dict(
+            w_scale_ptr=w_scale,
+            SCALE_COLS=w_scale.shape[1],
+            W_SCALE=2,
+            BLOCK_ROWS=rows,
+            BLOCK_COLS=cols,
+        )
     blocks = triton.cdiv(n, block_n)
     grid = min(blocks, per_sm * _num_sms(out.device))
     _gemv_rows_kernel[(grid,)](
@@ -578,7 +620,7 @@ def gemv_rows(
         eps,
         K=k,
         BLOCK_N=block_n,
-        BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_K=block_k,
         NORM=norm_weight is not None,
         ADD_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,
@@ -586,6 +628,102 @@ def gemv_rows(
         PDL=pdl(out.device),
         num_warps=warps,
         launch_pdl=pdl(out.device),
+        **scaled,
+    )
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K, GROUP: tl.constexpr, BLOCK: tl.constexpr):
+    row, g = tl.program_id(0), tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, BLOCK)
+    ok = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row.to(tl.int64) * K + cols, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12) / 448.0
+    q = tl.clamp(x / scale, -448.0, 448.0)
+    tl.store(q_ptr + row.to(tl.int64) * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row * tl.num_programs(1) + g, scale)
+
+
+def quantize_rows(x, out, scales, group: int) -> None:
+    """x [T, K] contiguous -> out [T, K] float8 and scales [T, K / group] float32."""
+    t, k = x.shape
+    block = triton.next_power_of_2(group)
+    _quantize_rows_kernel[(t, k // group)](
+        x, out, scales, k, GROUP=group, BLOCK=block, num_warps=8 if block >= 4096 else 4
+    )
+
+
+@triton.jit
+def _fp8_block_mm_kernel(
+    a_ptr,
+    a_s_ptr,
+    b_ptr,
+    b_s_ptr,
+    c_ptr,
+    M,
+    N,
+    K,
+    SCALE_COLS,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # C = A B^T with A [M, K] float8 scaled per (row, BLOCK_K columns) and B [N, K] float8
+    # scaled per (BLOCK_ROWS rows, BLOCK_K columns): every K block's partial product is scaled
+    # as it is accumulated, in float32.
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        a = tl.load(
+            a_ptr + rm[:, None].to(tl.int64) * K + k[None, :],
+            mask=(rm < M)[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        b = tl.load(
+            b_ptr + rn[None, :].to(tl.int64) * K + k[:, None],
+            mask=(rn < N)[None, :] & (k < K)[:, None],
+            other=0.0,
+        )
+        a_s = tl.load(a_s_ptr + rm * SCALE_COLS + kb, mask=rm < M, other=0.0)
+        b_s = tl.load(b_s_ptr + (rn // BLOCK_ROWS) * SCALE_COLS + kb, mask=rn < N, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+    tl.store(
+        c_ptr + rm[:, None].to(tl.int64) * N + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=(rm < M)[:, None] & (rn < N)[None, :],
+    )
+
+
+def fp8_block_mm(a, a_scales, b, b_scales, out, block: tuple[int, int]) -> None:
+    """out [M, N] = (a [M, K] * a_scales [M, K / cols]) @ (b [N, K] * b_scales per block)^T,
+    block = (rows, cols) of b's scale blocks; a is scaled per the same column blocks."""
+    m, k = a.shape
+    n = b.shape[0]
+    rows, cols = block
+    block_m = 64 if m > 32 else 16
+    block_n = 128 if n >= 128 else 32
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _fp8_block_mm_kernel[grid](
+        a,
+        a_scales,
+        b,
+        b_scales,
+        out,
+        m,
+        n,
+        k,
+        b_scales.shape[1],
+        BLOCK_ROWS=rows,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=cols,
+        num_warps=4,
+        num_stages=3,
     )
 
 

@@ -27,7 +27,8 @@ def load_runner(package_dir: str, rank: int, num_pages: int):
 
     pkg = open_package(package_dir)
     group = TPGroup(rank, pkg.tp_size)
-    model = build_model(pkg.spec, pkg.load_shard(rank), group, pkg.capacities.max_seq_len)
+    shard = pkg.load_shard(rank)
+    model = build_model(pkg.spec, shard, group, pkg.capacities.max_seq_len, quant=pkg.quant)
     shape = KVCacheShape.for_spec(pkg.spec, pkg.tp_size, num_pages, pkg.capacities.kv_page_size)
     return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), pkg
 
@@ -85,6 +86,46 @@ def run_tp(
     mp.start_processes(
         _worker,
         args=(tp, str(tmp / f"store-tp{tp}"), str(package_dir), prompts, max_new, chunk, str(out)),
+        nprocs=tp,
+        join=True,
+        start_method="spawn",
+    )
+    return json.loads(out.read_text())
+
+
+def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path):
+    """Teacher-forced log-likelihood of tokens[1:] given the tokens before each, in chunks."""
+    from runtime.runner import SeqInput
+
+    if tp > 1:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store_path}", rank=rank, world_size=tp
+        )
+    from runtime.package import open_package
+
+    torch.set_num_threads(1)
+    page = open_package(package_dir).capacities.kv_page_size
+    pages = list(range(-(-len(tokens) // page)))
+    runner, _ = load_runner(package_dir, rank, num_pages=len(pages))
+    total = 0.0
+    for start in range(0, len(tokens) - 1, chunk):
+        piece = tokens[start : min(start + chunk, len(tokens) - 1)]
+        logits = runner.step([SeqInput(piece, start, pages, sample=True, num_samples=len(piece))])
+        nxt = torch.tensor(tokens[start + 1 : start + 1 + len(piece)])
+        total += torch.log_softmax(logits, -1).gather(1, nxt[:, None]).sum().item()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(total))
+    if tp > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def score_tp(package_dir: Path, tp: int, tokens: list[int], chunk: int, tmp: Path) -> float:
+    """Sum of log p(tokens[i + 1] | tokens[:i + 1]) on `tp` processes (rank 0's)."""
+    out = tmp / f"score-tp{tp}.json"
+    mp.start_processes(
+        _score_worker,
+        args=(tp, str(tmp / f"score-store-tp{tp}"), str(package_dir), tokens, chunk, str(out)),
         nprocs=tp,
         join=True,
         start_method="spawn",

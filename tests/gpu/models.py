@@ -90,14 +90,20 @@ def shard_tensors(hf_model, tp: int = 1, rank: int = 0):
     return spec, dict(rank_tensors(StateDictSource(lambda: state), spec, rank, tp))
 
 
-def cuda_runner(spec, tensors, group, capacities=CAPACITIES, max_kv_pages=512, **options):
-    """A captured CudaGraphRunner over bf16 copies of the tensors; options: further
-    CudaRunnerOptions fields."""
+def cuda_runner(
+    spec, tensors, group, capacities=CAPACITIES, max_kv_pages=512, quant=None, **options
+):
+    """A captured CudaGraphRunner over bf16 copies of the tensors (FP8 weights and their
+    scales, with quant, as they are); options: further CudaRunnerOptions fields."""
     from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
     from runtime.model import build_model
 
-    gpu = {k: v.to("cuda", torch.bfloat16) for k, v in tensors.items()}
-    model = build_model(spec, gpu, group, capacities.max_seq_len, "cuda")
+    def on_gpu(name, t):
+        kept = t.dtype == torch.float8_e4m3fn or name.endswith("weight_scale")
+        return t.to("cuda") if kept else t.to("cuda", torch.bfloat16)
+
+    gpu = {k: on_gpu(k, v) for k, v in tensors.items()}
+    model = build_model(spec, gpu, group, capacities.max_seq_len, "cuda", quant)
     opts = CudaRunnerOptions(max_kv_pages=max_kv_pages, **options)
     runner = CudaGraphRunner(model, capacities, opts)
     runner.capture()
