@@ -233,13 +233,21 @@ def serve(
     max_batch: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
     page_size: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
     max_step_tokens: Annotated[int | None, typer.Option(help="Checkpoint: as prepare.")] = None,
+    quantize: Annotated[
+        str | None, typer.Option(help="Checkpoint: fp8 weights, as prepare --quantize.")
+    ] = None,
 ) -> None:
     """Serve a package on this machine: its ranks plus the OpenAI-compatible HTTP API."""
     from orbit.serve_source import PrepareFlags
 
-    flags = PrepareFlags(tp, dtype, max_seq_len, max_batch, page_size, max_step_tokens)
+    if quantize not in (None, "fp8"):
+        fail(f"--quantize {quantize!r} is not supported; pass --quantize fp8 or leave it out.")
+    flags = PrepareFlags(tp, dtype, max_seq_len, max_batch, page_size, max_step_tokens, quantize)
     if cluster is not None and flags.given():
-        fail("--tp, --dtype and the capacities come from cluster.toml's package; drop them.")
+        fail(
+            "--tp, --dtype, --quantize and the capacities come from cluster.toml's package; "
+            "drop them."
+        )
     import logging
 
     from orbit.core.listen import ListenError

@@ -25,6 +25,7 @@ class PrepareFlags:
     max_batch: int | None = None
     kv_page_size: int | None = None
     max_step_tokens: int | None = None
+    quantize: str | None = None
 
     def given(self) -> dict[str, object]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -38,6 +39,7 @@ FLAG_NAMES = {
     "max_batch": "--max-batch",
     "kv_page_size": "--page-size",
     "max_step_tokens": "--max-step-tokens",
+    "quantize": "--quantize",
 }
 
 

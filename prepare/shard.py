@@ -25,7 +25,14 @@ def _vocab_rows(src: TensorSource, name: str, spec: ModelSpec, rank: int, tp: in
     real_stop = min(stop, spec.vocab_size)
     out = torch.zeros(per_rank, spec.hidden_size, dtype=torch.float32)
     if real_stop > start:
-        out[: real_stop - start] = src.slice(name, 0, start, real_stop).float()
+        rows = src.slice(name, 0, start, real_stop)
+        if rows.dtype == FP8:
+            raise SourceError(
+                f"{name} is FP8 in the checkpoint; Orbit keeps the embedding and LM head in the "
+                "package dtype and reads FP8 checkpoints that leave them unquantized (as "
+                "compressed-tensors' `ignore: [lm_head]` does)."
+            )
+        out[: real_stop - start] = rows.float()
     return out
 
 

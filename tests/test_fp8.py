@@ -335,3 +335,18 @@ def test_serve_checkpoint_quantized_to_fp8(tiny_checkpoints, tmp_path):
         _stop(server)
     [entry] = _entries(cache)
     assert open_package(entry).quant.scheme == "fp8-channel"
+
+
+def test_fp8_lm_head_is_refused(tokenizer_dir, tmp_path):
+    """The LM head and embedding stay in the package dtype: an FP8 one is named, not misread."""
+    from safetensors.torch import load_file, save_file
+
+    from prepare.build import PrepareOptions, prepare_package
+    from prepare.source import SourceError
+
+    fp8, _ = _fp8_checkpoint("ct-channel", tmp_path / "ckpt", tokenizer_dir)
+    tensors = load_file(str(fp8 / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].to(FP8)
+    save_file(tensors, str(fp8 / "model.safetensors"))
+    with pytest.raises(SourceError, match=r"lm_head\.weight is FP8 in the checkpoint"):
+        prepare_package(fp8, tmp_path / "pkg", PrepareOptions(), progress=False)
