@@ -141,13 +141,25 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return out, scales
 
 
+FEW_ROWS = 64  # up to this many rows, W x^T in Triton beats cuBLASLt (benchmarks/fp8.py)
+
+
 def fp8_rowwise_mm(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [T, K] @ (w [N, K] float8 * scale [N] per row)^T (+ bias), on the FP8 tensor cores
-    with x quantized per token: cuBLASLt's row-wise scaled GEMM."""
+    with x quantized per token: up to FEW_ROWS rows (decode batches) Orbit's Triton kernel,
+    which takes the weight's rows as the tensor cores' long side (0.6-0.7x cuBLASLt's time
+    there on the 8B shapes, H200), more rows cuBLASLt's row-wise scaled GEMM."""
     xq, xs = quantize_rows(x, x.shape[1])
-    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    if x.shape[0] <= FEW_ROWS:
+        from runtime import triton_kernels
+
+        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+        if x.shape[0]:
+            triton_kernels.fp8_few_rows_mm(xq, xs, w, scale, out)
+    else:
+        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 

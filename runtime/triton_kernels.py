@@ -727,6 +727,74 @@ def fp8_block_mm(a, a_scales, b, b_scales, out, block: tuple[int, int]) -> None:
     )
 
 
+@triton.jit
+def _fp8_few_rows_kernel(
+    w_ptr,
+    xq_ptr,
+    xs_ptr,
+    ws_ptr,
+    y_ptr,
+    M,
+    N,
+    K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    # y [M, N] = (xq [M, K] * xs [M]) @ (w [N, K] * ws [N])^T for few rows M <= ROWS, computed
+    # as W xq^T so that the weight's rows fill the tensor cores' long side (a GEMM with M
+    # rows would pad them to 64 and read the weights once per 64-row tile of x anyway).
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rr = tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + rk
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * K + k[None, :],
+            mask=(rn < N)[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        xt = tl.load(
+            xq_ptr + rr[None, :] * K + k[:, None],
+            mask=(rr < M)[None, :] & (k < K)[:, None],
+            other=0.0,
+        )
+        acc = tl.dot(w, xt, acc)
+    ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
+    xs = tl.load(xs_ptr + rr, mask=rr < M, other=0.0)
+    y = acc * ws[:, None] * xs[None, :]
+    tl.store(
+        y_ptr + rr[None, :] * N + rn[:, None],
+        y.to(y_ptr.dtype.element_ty),
+        mask=(rn < N)[:, None] & (rr < M)[None, :],
+    )
+
+
+def fp8_few_rows_mm(xq, xs, w, ws, out, tile=(64, 256, 4)) -> None:
+    """out [M, N] = (xq [M, K] float8 * xs [M, 1]) @ (w [N, K] float8 * ws [N])^T, M <= 64.
+    tile = (BLOCK_N, BLOCK_K, pipeline stages)."""
+    m, k = xq.shape
+    n = w.shape[0]
+    block_n, block_k, stages = tile
+    _fp8_few_rows_kernel[(triton.cdiv(n, block_n),)](
+        w,
+        xq,
+        xs,
+        ws,
+        out,
+        m,
+        n,
+        K=k,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ROWS=max(16, triton.next_power_of_2(m)),
+        num_stages=stages,
+        num_warps=4,
+    )
+
+
 @functools.cache
 def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count

@@ -84,7 +84,7 @@ def _quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
     return ((xg / s).clamp(-448, 448).to(FP8).float() * s).view(t, k)
 
 
-@pytest.mark.parametrize("tokens", [3, 64, 300])
+@pytest.mark.parametrize("tokens", [3, 64, 65, 300])
 @pytest.mark.parametrize("n,k,quant", [c for c in CASES if c[0] % 16 == 0 and c[0] > 96])
 def test_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, report):
     g, w8, scale, w = _weights(n, k, quant, 2)
