@@ -350,3 +350,28 @@ def test_fp8_lm_head_is_refused(tokenizer_dir, tmp_path):
     save_file(tensors, str(fp8 / "model.safetensors"))
     with pytest.raises(SourceError, match=r"lm_head\.weight is FP8 in the checkpoint"):
         prepare_package(fp8, tmp_path / "pkg", PrepareOptions(), progress=False)
+
+
+def test_prepare_cli_quantize_flag(tiny_checkpoints, tmp_path):
+    """`orbit prepare --quantize fp8` writes an FP8 package; another scheme is refused with
+    the fix, and nothing is written."""
+    import subprocess
+    import sys
+
+    from runtime.package import open_package
+
+    ckpt = tiny_checkpoints["llama"]
+    repo = Path(__file__).resolve().parents[1]
+
+    def prepare(*args):
+        cmd = [sys.executable, "-m", "orbit", "prepare", str(ckpt), *args]
+        return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
+
+    bad = prepare("--out", str(tmp_path / "int4"), "--quantize", "int4")
+    assert bad.returncode == 1
+    assert "--quantize 'int4' is not supported; pass --quantize fp8" in bad.stderr
+    assert not (tmp_path / "int4").exists()
+    good = prepare("--out", str(tmp_path / "fp8"), "--quantize", "fp8", "--tp", "2")
+    assert good.returncode == 0, good.stderr
+    pkg = open_package(tmp_path / "fp8")
+    assert (pkg.quant.scheme, pkg.manifest.format_version, pkg.tp_size) == ("fp8-channel", 2, 2)
