@@ -160,7 +160,7 @@ def random_shard(spec) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_runner(spec, tensors, args, quant=None):
+def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=4096):
     from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
     from runtime.layers import TPGroup
     from runtime.model import build_model
@@ -168,7 +168,7 @@ def build_runner(spec, tensors, args, quant=None):
 
     max_batch = max(int(b) for b in args.batches.split(","))
     caps = Capacities(
-        max_seq_len=4096,
+        max_seq_len=max_seq_len,
         max_batch=max_batch,
         kv_page_size=16,
         decode_batch_buckets=default_decode_buckets(max_batch),
@@ -177,7 +177,9 @@ def build_runner(spec, tensors, args, quant=None):
     model = build_model(spec, tensors, TPGroup(), caps.max_seq_len, "cuda", quant)
     t0 = time.perf_counter()
     options = CudaRunnerOptions(
-        kv_fraction=args.kv_fraction, fused_decode_max_bucket=args.fused_decode_max_bucket
+        kv_fraction=args.kv_fraction,
+        fused_decode_max_bucket=args.fused_decode_max_bucket,
+        kv_quant=kv_quant,
     )
     runner = CudaGraphRunner(model, caps, options)
     t1 = time.perf_counter()

@@ -75,11 +75,17 @@ def prepare(
         str | None,
         typer.Option(help="fp8: FP8 weights with per-row scales (an FP8 checkpoint stays FP8)."),
     ] = None,
+    kv_dtype: Annotated[
+        str | None,
+        typer.Option(help="fp8: serve with FP8 KV pages by default (orbit serve --kv-dtype)."),
+    ] = None,
 ) -> None:
     """Turn a checkpoint into a TP-sharded package."""
     _check_tp_fast(model, tp)
     if quantize not in (None, "fp8"):
         fail(f"--quantize {quantize!r} is not supported; pass --quantize fp8 or leave it out.")
+    if kv_dtype not in (None, "fp8"):
+        fail(f"--kv-dtype {kv_dtype!r} is not supported; pass --kv-dtype fp8 or leave it out.")
     from prepare.build import PrepareOptions, prepare_package
     from prepare.source import SourceError
     from runtime.layout import ShardingError
@@ -95,6 +101,7 @@ def prepare(
         force=force,
         sign_key=sign,
         quantize=quantize or "",
+        kv_dtype=kv_dtype or "",
     )
     try:
         path = prepare_package(model, out, opts)
@@ -118,6 +125,18 @@ def _speculation(method: str, num_tokens: int):
         return SpeculationConfig(method=method, num_tokens=num_tokens)
     except ValueError as e:
         fail(f"--speculate/--spec-tokens: {e}.")
+
+
+_KV_DTYPE_HELP = (
+    "KV pages: auto (the package's choice, its dtype unless prepared with --kv-dtype fp8), "
+    "fp8 (e4m3, half the bytes: twice the pages) or model (the package's dtype)."
+)
+KV_DTYPES = ("auto", "fp8", "model")  # runtime/quant.py's, without importing torch
+
+
+def _check_kv_dtype(kv_dtype: str) -> None:
+    if kv_dtype not in KV_DTYPES:
+        fail(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}; pick one of those.")
 
 
 def _check_tp_fast(source: Path, tp: int) -> None:
@@ -163,6 +182,7 @@ def serve(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
+    kv_dtype: Annotated[str, typer.Option(help=_KV_DTYPE_HELP)] = "auto",
     max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
     prefix_cache: Annotated[
         bool,
@@ -242,6 +262,7 @@ def serve(
 
     if quantize not in (None, "fp8"):
         fail(f"--quantize {quantize!r} is not supported; pass --quantize fp8 or leave it out.")
+    _check_kv_dtype(kv_dtype)
     flags = PrepareFlags(tp, dtype, max_seq_len, max_batch, page_size, max_step_tokens, quantize)
     if cluster is not None and flags.given():
         fail(
@@ -298,6 +319,7 @@ def serve(
             device=device,
             kv_pages=kv_pages,
             kv_cache_mb=kv_cache_mb,
+            kv_dtype=kv_dtype,
             threads=threads,
             trusted_keys=tuple(trusted_key or ()),
         ),
@@ -460,6 +482,7 @@ def up(
     ] = 600.0,
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
     kv_cache_mb: Annotated[int, typer.Option(help="KV cache per CPU rank, in MiB.")] = 512,
+    kv_dtype: Annotated[str, typer.Option(help=_KV_DTYPE_HELP)] = "auto",
     force: Annotated[
         bool, typer.Option(help="Start even if the preflight finds hard problems.")
     ] = False,
@@ -477,11 +500,13 @@ def up(
     from orbit.cluster.up import UpOptions
     from orbit.cluster.up import up as run_up
 
+    _check_kv_dtype(kv_dtype)
     opts = UpOptions(
         accept_new_host_keys=accept_new_host_keys,
         timeout_s=timeout,
         kv_pages=kv_pages,
         kv_cache_mb=kv_cache_mb,
+        kv_dtype=kv_dtype,
         force=force,
         join_timeout_s=join_timeout,
         log_level=_rank_log_level(log_level),

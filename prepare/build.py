@@ -7,6 +7,7 @@ anything that loads as a package.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import tempfile
@@ -29,7 +30,7 @@ from runtime.package import (
     sha256_file,
     shard_path,
 )
-from runtime.quant import WeightQuant
+from runtime.quant import KV_FP8, WeightQuant
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
 from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
 from runtime.version import __version__
@@ -114,7 +115,50 @@ def _manifest_head(
     )
     if quant is not None:
         manifest.quantization.CopyFrom(quant.to_proto())
+    _record_kv(ckpt, opts, spec.num_layers, manifest.quantization)
     return manifest
+
+
+def _record_kv(
+    ckpt: Checkpoint, opts: PrepareOptions, num_layers: int, q: package_pb2.Quantization
+) -> None:
+    """The default KV dtype and any calibrated per-layer k/v scales of the checkpoint
+    (compressed-tensors kv_cache_scheme: self_attn.k_scale / v_scale, one number a layer)."""
+    if opts.kv_dtype not in ("", "fp8"):
+        raise SourceError(
+            f"--kv-dtype {opts.kv_dtype!r} is not supported; pass fp8 or leave it out."
+        )
+    names = ckpt.tensors.names()
+    scales: dict[str, list[float]] = {"k": [], "v": []}
+    for kind, values in scales.items():
+        found = [f"model.layers.{i}.self_attn.{kind}_scale" in names for i in range(num_layers)]
+        if any(found) and not all(found):
+            raise SourceError(
+                f"the checkpoint has self_attn.{kind}_scale for some layers but not layer "
+                f"{found.index(False)}; its KV scales are incomplete."
+            )
+        for i in range(num_layers if all(found) else 0):
+            value = ckpt.tensors.read(f"model.layers.{i}.self_attn.{kind}_scale").float()
+            if value.numel() != 1 or not float(value) > 0 or not math.isfinite(float(value)):
+                raise SourceError(
+                    f"model.layers.{i}.self_attn.{kind}_scale is not one positive number; "
+                    "Orbit reads per-tensor KV scales only."
+                )
+            values.append(float(value))
+    if bool(scales["k"]) != bool(scales["v"]):
+        raise SourceError("the checkpoint has k_scale without v_scale (or the reverse).")
+    q.kv_k_scales.extend(scales["k"])
+    q.kv_v_scales.extend(scales["v"])
+    if opts.kv_dtype == "fp8" or _has_kv_scheme(ckpt.config):
+        q.kv_cache = KV_FP8
+
+
+def _has_kv_scheme(config) -> bool:
+    """A compressed-tensors checkpoint calibrated for an FP8 KV cache says so."""
+    qc = getattr(config, "quantization_config", None)
+    if qc is not None and not isinstance(qc, dict):
+        qc = qc.to_dict()
+    return bool(qc and qc.get("kv_cache_scheme"))
 
 
 def _file_entry(root: Path, path: Path) -> package_pb2.FileEntry:

@@ -91,6 +91,8 @@ def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bo
     }
     if opts.quantize:  # absent otherwise, so entries prepared before the flag existed still hit
         fields["quantize"] = opts.quantize
+    if opts.kv_dtype:  # likewise
+        fields["kv_dtype"] = opts.kv_dtype
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
     stem = re.sub(r"[^A-Za-z0-9._-]+", "_", source.stem if source.is_file() else source.name)
     return cache_dir / "packages" / f"{stem}-tp{opts.tp}-{opts.dtype}-{key}"

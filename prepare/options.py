@@ -20,3 +20,6 @@ class PrepareOptions:
     # "fp8": FP8 weights with per-row scales for the linear layers of an unquantized checkpoint
     # (an FP8 checkpoint keeps its own scheme either way); "": as the checkpoint.
     quantize: str = ""
+    # "fp8": the package runs with FP8 KV pages by default (orbit serve --kv-dtype auto); "":
+    # with pages of its dtype. Calibrated k/v scales in the checkpoint are recorded either way.
+    kv_dtype: str = ""

@@ -16,6 +16,7 @@ class RankConfig:
     device: str  # "cpu" or "cuda"
     kv_pages: int  # 0: size from free memory (cuda) or from kv_cache_mb (cpu)
     kv_cache_mb: int
+    kv_dtype: str  # auto, fp8 or model: what the KV pages hold (runtime/quant.py KV_DTYPES)
     heartbeat_s: float
     threads: int  # torch intra-op threads on CPU; 0 leaves torch's default (CUDA ranks: 1)
     exit_with_parent: bool  # local ranks of `orbit serve` end when the frontend process does
@@ -37,6 +38,7 @@ class RankConfig:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         p.add_argument("--kv-pages", type=int, default=0)
         p.add_argument("--kv-cache-mb", type=int, default=512)
+        p.add_argument("--kv-dtype", choices=["auto", "fp8", "model"], default="auto")
         p.add_argument("--heartbeat-s", type=float, default=1.0)
         p.add_argument("--threads", type=int, default=0)
         p.add_argument("--exit-with-parent", action="store_true")
@@ -56,6 +58,7 @@ class RankConfig:
             device=a.device,
             kv_pages=a.kv_pages,
             kv_cache_mb=a.kv_cache_mb,
+            kv_dtype=a.kv_dtype,
             heartbeat_s=a.heartbeat_s,
             threads=a.threads,
             exit_with_parent=a.exit_with_parent,

@@ -27,6 +27,7 @@ from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
 from runtime.grammar import GrammarMasks
 from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.quant import FP8
 from runtime.layers import TPGroup
 from runtime.model import build_model
 from runtime.package import Package, open_package
@@ -128,20 +129,23 @@ class Rank:
         tensors = pkg.load_shard(cfg.rank, self.device)
         model = build_model(spec, tensors, group, caps.max_seq_len, self.device, pkg.quant)
         self.phases.enter(wire_pb2.PHASE_KV_ALLOCATION)
+        kv_quant = pkg.kv_quant(cfg.kv_dtype)
         if cfg.device == "cuda":
-            return self._cuda_runner(model, caps)
+            return self._cuda_runner(model, caps, kv_quant)
         num_pages = cfg.kv_pages
         if not num_pages:
             page = KVCacheShape.for_spec(spec, cfg.tp_size, 1, caps.kv_page_size)
-            num_pages = max(1, (cfg.kv_cache_mb << 20) // page.bytes(pkg.dtype))
+            page_dtype = pkg.dtype if kv_quant is None else FP8
+            num_pages = max(1, (cfg.kv_cache_mb << 20) // page.bytes(page_dtype))
         shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
-        return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), num_pages
+        return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu", kv_quant)), num_pages
 
-    def _cuda_runner(self, model, caps):
+    def _cuda_runner(self, model, caps, kv_quant):
         # runtime.cuda_runner.build_cuda_runner's steps, split so each phase is reported.
         from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
 
-        runner = CudaGraphRunner(model, caps, CudaRunnerOptions(max_kv_pages=self.cfg.kv_pages))
+        options = CudaRunnerOptions(max_kv_pages=self.cfg.kv_pages, kv_quant=kv_quant)
+        runner = CudaGraphRunner(model, caps, options)
         self.phases.enter(wire_pb2.PHASE_GRAPH_CAPTURE)
         runner.capture()
         return runner, runner.kv_plan.num_pages

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.kv_cache import KVCache
+from runtime.quant import store_kv
 from runtime.rope import apply_rope
 
 
@@ -40,19 +41,26 @@ class ReferenceAttention:
         [T, hd], their positions' rotation. Returns [T, hq, hd]."""
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cache = self.kv.layers[layer]
+        scales = self.kv.scales(layer)
+        if self.kv.quant is not None:
+            k, v = store_kv(k, scales[0]), store_kv(v, scales[1])
         cache[self.write_pages, 0, self.write_offsets] = k
         cache[self.write_pages, 1, self.write_offsets] = v
         out, start = [], 0
         for s in self.spans:
             qs = q[start : start + s.num_new]
             start += s.num_new
-            out.append(self._one(cache, qs, s))
+            out.append(self._one(cache, qs, s, scales))
         return torch.cat(out)
 
-    def _one(self, cache: torch.Tensor, q: torch.Tensor, s: SeqSpan) -> torch.Tensor:
+    def _one(
+        self, cache: torch.Tensor, q: torch.Tensor, s: SeqSpan, scales: tuple[float, float]
+    ) -> torch.Tensor:
         kv = cache[s.page_table].transpose(0, 1)  # [2, pages, page_size, hkv, hd]
         k = kv[0].flatten(0, 1)[: s.context_len]  # [ctx, hkv, hd]
         v = kv[1].flatten(0, 1)[: s.context_len]
+        if self.kv.quant is not None:
+            k, v = k.to(q.dtype) * scales[0], v.to(q.dtype) * scales[1]
         groups = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(groups, dim=1).transpose(0, 1)  # [hq, ctx, hd]
         v = v.repeat_interleave(groups, dim=1).transpose(0, 1)

@@ -42,9 +42,19 @@ from runtime import cuda_ops
 from runtime.kv_cache import KVCache
 
 
-def prefill_backend(device: torch.device) -> str:
-    """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere."""
-    return "fa3" if torch.cuda.get_device_capability(device)[0] == 9 else "fa2"
+def prefill_backend(device: torch.device, kv: KVCache) -> str:
+    """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere and for FP8 pages: its FA3
+    kernels take FP8 keys and values only with FP8 queries."""
+    hopper = torch.cuda.get_device_capability(device)[0] == 9
+    return "fa3" if hopper and kv.quant is None else "fa2"
+
+
+def _scales(kv: KVCache, layer: int) -> dict[str, float]:
+    """FlashInfer's k_scale / v_scale arguments for a layer (none for unscaled pages)."""
+    if kv.quant is None:
+        return {}
+    k_scale, v_scale = kv.scales(layer)
+    return {"k_scale": k_scale, "v_scale": v_scale}
 
 
 class FusedDecodeAttention:
@@ -101,6 +111,7 @@ class FusedDecodeAttention:
             self.workspace,
             self.scale,
             self.splits,
+            self.kv.scales(layer),
         )
         return out
 
@@ -161,7 +172,8 @@ class DecodeAttention:
             s.kv_heads,
             s.head_dim,
             s.page_size,
-            q_data_type=self.kv.layers[0].dtype,
+            q_data_type=self.kv.model_dtype,
+            kv_data_type=self.kv.dtype,
             sm_scale=self.scale,
         )
         self._planned_indptr = indptr.copy()
@@ -171,9 +183,9 @@ class DecodeAttention:
         [bucket, hq, hd]."""
         cache = self.kv.layers[layer]
         q = cuda_ops.rope_and_store_kv(
-            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets, self.kv.scales(layer)
         )
-        return self.wrapper.run(q, cache)
+        return self.wrapper.run(q, cache, **_scales(self.kv, layer))
 
 
 class PrefillGraphAttention:
@@ -207,7 +219,7 @@ class PrefillGraphAttention:
             paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buf=self.indices_buf,
             paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
-            backend=prefill_backend(device),
+            backend=prefill_backend(device, kv),
         )
 
     def plan(
@@ -231,7 +243,8 @@ class PrefillGraphAttention:
             s.page_size,
             causal=True,
             sm_scale=self.scale,
-            q_data_type=self.kv.layers[0].dtype,
+            q_data_type=self.kv.model_dtype,
+            kv_data_type=self.kv.dtype,
         )
 
     def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
@@ -239,9 +252,9 @@ class PrefillGraphAttention:
         [tokens, hq, hd], whose padding rows hold whatever the graph's memory held."""
         cache = self.kv.layers[layer]
         q = cuda_ops.rope_and_store_kv(
-            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets, self.kv.scales(layer)
         )
-        return self.wrapper.run(q, cache)
+        return self.wrapper.run(q, cache, **_scales(self.kv, layer))
 
 
 class PrefillAttention:
@@ -254,7 +267,7 @@ class PrefillAttention:
         self.write_pages: torch.Tensor | None = None
         self.write_offsets: torch.Tensor | None = None
         self.wrapper = BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", backend=prefill_backend(workspace.device)
+            workspace, "NHD", backend=prefill_backend(workspace.device, kv)
         )
 
     def plan(
@@ -280,13 +293,14 @@ class PrefillAttention:
             s.page_size,
             causal=True,
             sm_scale=self.scale,
-            q_data_type=self.kv.layers[0].dtype,
+            q_data_type=self.kv.model_dtype,
+            kv_data_type=self.kv.dtype,
         )
 
     def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
         """q [T, hq, hd]; k, v [T, hkv, hd]; cos, sin [T, hd]. Returns [T, hq, hd]."""
         cache = self.kv.layers[layer]
         q = cuda_ops.rope_and_store_kv(
-            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets, self.kv.scales(layer)
         )
-        return self.wrapper.run(q, cache)
+        return self.wrapper.run(q, cache, **_scales(self.kv, layer))

@@ -41,15 +41,17 @@ def rope_and_store_kv(
     cache: torch.Tensor,
     pages: torch.Tensor,
     offsets: torch.Tensor,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """RoPE on q [T, hq, hd] and k [T, hkv, hd] (views of the fused qkv output); the rotated k
-    and v [T, hkv, hd] go into cache [P, 2, page_size, hkv, hd] at (pages[t], offsets[t]).
-    Returns the rotated q, contiguous: the layout FlashInfer's attention reads. One kernel."""
+    and v [T, hkv, hd] go into cache [P, 2, page_size, hkv, hd] at (pages[t], offsets[t]),
+    divided by kv_scales (k, v) when the cache is FP8. Returns the rotated q, contiguous: the
+    layout FlashInfer's attention reads. One kernel."""
     from runtime import triton_kernels
 
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if q.shape[0]:
-        triton_kernels.rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets)
+        triton_kernels.rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets, kv_scales)
     return q_out
 
 

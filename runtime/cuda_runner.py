@@ -66,6 +66,7 @@ from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
 from runtime.layers import TPGroup
 from runtime.model import Transformer, build_model
 from runtime.package import Package
+from runtime.quant import FP8, KVQuant
 from runtime.runner import SeqInput
 from runtime.spec import Capacities
 
@@ -91,6 +92,7 @@ class CudaRunnerOptions:
     # faster beyond (H200, docs/performance.md). A max bucket of 0 turns it off.
     fused_decode_max_bucket: int = 8
     fused_decode_max_context: int = 2048
+    kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
 
 
 class RankSettings(Protocol):
@@ -101,7 +103,11 @@ class RankSettings(Protocol):
 
 
 def build_cuda_runner(
-    pkg: Package, group: TPGroup, settings: RankSettings, kv_fraction: float = 0.9
+    pkg: Package,
+    group: TPGroup,
+    settings: RankSettings,
+    kv_fraction: float = 0.9,
+    kv_dtype: str = "auto",
 ) -> tuple[CudaGraphRunner, int]:
     """A rank's whole CUDA start-up on its current device (torch.cuda.set_device first):
     load the shard straight to the GPU, build the model, size and allocate the KV pool, warm
@@ -109,7 +115,9 @@ def build_cuda_runner(
     device = torch.device("cuda", torch.cuda.current_device())
     tensors = pkg.load_shard(settings.rank, device)
     model = build_model(pkg.spec, tensors, group, pkg.capacities.max_seq_len, device, pkg.quant)
-    options = CudaRunnerOptions(kv_fraction=kv_fraction, max_kv_pages=settings.kv_pages)
+    options = CudaRunnerOptions(
+        kv_fraction=kv_fraction, max_kv_pages=settings.kv_pages, kv_quant=pkg.kv_quant(kv_dtype)
+    )
     runner = CudaGraphRunner(model, pkg.capacities, options)
     runner.capture()
     return runner, runner.kv_plan.num_pages
@@ -149,9 +157,10 @@ class CudaGraphRunner:
         reserve = self._profile() + options.reserve_margin_bytes
         num_wrappers = len(self.buckets) + len(self.prefill_buckets) + 1
         reserve += num_wrappers * _WRAPPER_INT_WORKSPACE_BYTES
-        self.kv_plan = self._size_pool(self._kv_shape(1).bytes(self.dtype), reserve)
+        kv_dtype = self.dtype if options.kv_quant is None else FP8
+        self.kv_plan = self._size_pool(self._kv_shape(1).bytes(kv_dtype), reserve)
         self.pad_page = self.kv_plan.num_pages
-        self.kv = KVCache(self._kv_shape(self.kv_plan.num_pages + 1), self.dtype, self.device)
+        self.kv = self._kv_cache(self.kv_plan.num_pages + 1)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
         self._decode: dict[int, DecodeAttention] = {}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -170,6 +179,10 @@ class CudaGraphRunner:
 
     def _kv_shape(self, num_pages: int) -> KVCacheShape:
         return KVCacheShape.for_spec(self.model.spec, self.tp, num_pages, self.page_size)
+
+    def _kv_cache(self, num_pages: int) -> KVCache:
+        shape = self._kv_shape(num_pages)
+        return KVCache(shape, self.dtype, self.device, self.options.kv_quant)
 
     def _alloc_static(self) -> None:
         dev = self.device
@@ -206,7 +219,7 @@ class CudaGraphRunner:
             pages = list(range(next_page, next_page + -(-n // self.page_size)))
             next_page += len(pages)
             seqs.append(SeqInput([1] * n, 0, pages, sample=True))
-        scratch = KVCache(self._kv_shape(next_page), self.dtype, self.device)
+        scratch = self._kv_cache(next_page)
         attn = PrefillAttention(scratch, self._workspace, self.scale, self.num_q_heads)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -3,6 +3,9 @@
 Layout per layer is [num_pages, 2 (k, v), page_size, kv_heads_local, head_dim] ("NHD", the
 layout FlashInfer's paged kernels read), so the CPU and GPU paths share it. Token t of a
 sequence lives in page page_table[t // page_size] at offset t % page_size.
+
+The pages hold the model's dtype, or float8_e4m3fn with one k and one v scale per layer
+(runtime/quant.py KVQuant): half the bytes, so twice the pages in the same memory.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.quant import FP8, KVQuant
 from runtime.spec import ModelSpec
 
 
@@ -37,8 +41,22 @@ class KVCacheShape:
 
 
 class KVCache:
-    def __init__(self, shape: KVCacheShape, dtype: torch.dtype, device: torch.device | str):
-        self.shape = shape
+    def __init__(
+        self,
+        shape: KVCacheShape,
+        model_dtype: torch.dtype,
+        device: torch.device | str,
+        quant: KVQuant | None = None,
+    ):
+        """Pages of `model_dtype`, or FP8 ones scaled by `quant`."""
+        self.shape, self.quant, self.model_dtype = shape, quant, model_dtype
+        dtype = model_dtype if quant is None else FP8
+        self.dtype = dtype  # of the pages
+        if quant is not None and len(quant.k_scales) != shape.num_layers:
+            raise ValueError(
+                f"{len(quant.k_scales)} KV scales for {shape.num_layers} layers; the package's "
+                "quantization.kv_k_scales must have one per layer."
+            )
         self.layers = [
             torch.zeros(
                 shape.num_pages,
@@ -51,3 +69,9 @@ class KVCache:
             )
             for _ in range(shape.num_layers)
         ]
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """(k, v) scale of a layer's pages: 1.0 for pages of the model's dtype."""
+        if self.quant is None:
+            return 1.0, 1.0
+        return self.quant.k_scales[layer], self.quant.v_scales[layer]

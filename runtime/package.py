@@ -6,6 +6,7 @@ Nothing is substituted: any mismatch raises PackageError naming the file and the
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path, PurePosixPath
@@ -15,7 +16,7 @@ from google.protobuf.message import DecodeError
 
 from proto import package_pb2
 from runtime.layout import shard_tensors
-from runtime.quant import SCHEMES, WeightQuant
+from runtime.quant import KV_FP8, SCHEMES, KVQuant, WeightQuant, kv_quant_for
 from runtime.spec import Capacities, ModelSpec
 
 MANIFEST_NAME = "manifest.pb"
@@ -98,6 +99,11 @@ class Package:
     @cached_property
     def quant(self) -> WeightQuant | None:
         return WeightQuant.from_proto(self.manifest.quantization)
+
+    def kv_quant(self, kv_dtype: str = "auto") -> KVQuant | None:
+        """What the KV pages hold for `orbit serve --kv-dtype` (runtime/quant.py KV_DTYPES):
+        None for the package's dtype, else FP8 with the package's per-layer scales."""
+        return kv_quant_for(self.manifest.quantization, self.spec.num_layers, kv_dtype)
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -209,8 +215,27 @@ def check_manifest(root: Path, m: package_pb2.Manifest) -> None:
                 f"{where}: quantized weights need format_version 2, the manifest says "
                 f"{m.format_version}; re-create the package with `orbit prepare`."
             )
+    _check_kv_quant(where, m)
     # raises on a spec that cannot split (or split without cutting a scale block)
     shard_tensors(ModelSpec.from_proto(m.model), m.tp_size, DTYPES[m.dtype], quant)
+
+
+def _check_kv_quant(where: str, m: package_pb2.Manifest) -> None:
+    q = m.quantization
+    if q.kv_cache not in ("", KV_FP8):
+        raise PackageError(
+            f"{where}: quantization.kv_cache {q.kv_cache!r} is not {KV_FP8!r} or empty; "
+            "upgrade Orbit."
+        )
+    for name in ("kv_k_scales", "kv_v_scales"):
+        scales = getattr(q, name)
+        if len(scales) not in (0, m.model.num_layers) or len(scales) != len(q.kv_k_scales):
+            raise PackageError(
+                f"{where}: quantization.{name} has {len(scales)} values; it needs one per "
+                f"layer ({m.model.num_layers}) for both k and v, or none."
+            )
+        if not all(math.isfinite(x) and x > 0 for x in scales):
+            raise PackageError(f"{where}: quantization.{name} holds a scale that is not > 0.")
 
 
 def open_package(

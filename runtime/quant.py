@@ -73,3 +73,45 @@ def quantize(weight: torch.Tensor, quant: WeightQuant) -> tuple[torch.Tensor, to
     scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
     return q.view(nr * br, nc * bc)[:rows, :cols].to(FP8).contiguous(), scale
+
+
+# FP8 KV pages: a stored key (value) is the real one divided by its layer's k (v) scale,
+# saturated to +-FP8_MAX and rounded to nearest; readers multiply back. One scale per layer
+# because that is what FlashInfer's kernels take (a float folded into the softmax scale and
+# the output), and what calibrated checkpoints carry (compressed-tensors kv_cache_scheme).
+KV_FP8 = "fp8-e4m3"
+KV_DTYPES = ("auto", "fp8", "model")  # orbit serve --kv-dtype
+
+
+@dataclass(frozen=True)
+class KVQuant:
+    k_scales: tuple[float, ...]  # one per layer
+    v_scales: tuple[float, ...]
+
+    @classmethod
+    def unit(cls, num_layers: int) -> KVQuant:
+        """Scale 1.0 everywhere: what vLLM and SGLang use for an uncalibrated model. Keys and
+        values of the models we serve stay far inside +-448 (docs/package-format.md)."""
+        return cls((1.0,) * num_layers, (1.0,) * num_layers)
+
+    @classmethod
+    def recorded(cls, q: package_pb2.Quantization, num_layers: int) -> KVQuant:
+        """The package's scales, or unit ones where it records none."""
+        if not q.kv_k_scales:
+            return cls.unit(num_layers)
+        return cls(tuple(q.kv_k_scales), tuple(q.kv_v_scales))
+
+
+def kv_quant_for(q: package_pb2.Quantization, num_layers: int, kv_dtype: str) -> KVQuant | None:
+    """What a rank's KV pages hold for `orbit serve --kv-dtype` (one of KV_DTYPES): None for
+    the package's dtype, else FP8 with the package's scales."""
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype {kv_dtype!r} is not one of {', '.join(KV_DTYPES)}.")
+    if kv_dtype == "model" or (kv_dtype == "auto" and q.kv_cache != KV_FP8):
+        return None
+    return KVQuant.recorded(q, num_layers)
+
+
+def store_kv(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x (any float dtype) as it is stored in an FP8 page whose layer scale is `scale`."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)

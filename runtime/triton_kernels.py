@@ -35,9 +35,12 @@ def _rope_store_kv_kernel(
     page_stride,
     kv_stride,
     slot_stride,
+    k_inv,
+    v_inv,
     NUM_Q_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:
@@ -51,22 +54,6 @@ def _rope_store_kv_kernel(
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
-    if head < NUM_Q_HEADS:
-        src = q_ptr + t * q_stride_t + head * q_stride_h
-        dst = q_out_ptr + (t * NUM_Q_HEADS + head) * 2 * HALF
-    else:
-        kv_head = head - NUM_Q_HEADS
-        src = k_ptr + t * k_stride_t + kv_head * k_stride_h
-        page = tl.load(pages_ptr + t)
-        slot = tl.load(offsets_ptr + t)
-        dst = cache_ptr + page * page_stride + slot * slot_stride + kv_head * 2 * HALF
-        v_src = v_ptr + t * v_stride_t + kv_head * v_stride_h
-        v1 = tl.load(v_src + offs, mask=mask)
-        v2 = tl.load(v_src + HALF + offs, mask=mask)
-        tl.store(dst + kv_stride + offs, v1, mask=mask)
-        tl.store(dst + kv_stride + HALF + offs, v2, mask=mask)
-    x1 = tl.load(src + offs, mask=mask).to(tl.float32)
-    x2 = tl.load(src + HALF + offs, mask=mask).to(tl.float32)
     cs = cos_ptr + t * cs_stride_t
     sn = sin_ptr + t * cs_stride_t
     c1 = tl.load(cs + offs, mask=mask).to(tl.float32)
@@ -74,14 +61,52 @@ def _rope_store_kv_kernel(
     s1 = tl.load(sn + offs, mask=mask).to(tl.float32)
     s2 = tl.load(sn + HALF + offs, mask=mask).to(tl.float32)
     out_ty = q_out_ptr.dtype.element_ty
-    tl.store(dst + offs, (x1 * c1 - x2 * s1).to(out_ty), mask=mask)
-    tl.store(dst + HALF + offs, (x2 * c2 + x1 * s2).to(out_ty), mask=mask)
+    if head < NUM_Q_HEADS:
+        # (names apart from the other branch's: Triton merges same-named values, whose
+        # pointer types differ when the cache is FP8)
+        q_src = q_ptr + t * q_stride_t + head * q_stride_h
+        q_dst = q_out_ptr + (t * NUM_Q_HEADS + head) * 2 * HALF
+        x1 = tl.load(q_src + offs, mask=mask).to(tl.float32)
+        x2 = tl.load(q_src + HALF + offs, mask=mask).to(tl.float32)
+        tl.store(q_dst + offs, (x1 * c1 - x2 * s1).to(out_ty), mask=mask)
+        tl.store(q_dst + HALF + offs, (x2 * c2 + x1 * s2).to(out_ty), mask=mask)
+    else:
+        kv_head = head - NUM_Q_HEADS
+        src = k_ptr + t * k_stride_t + kv_head * k_stride_h
+        page = tl.load(pages_ptr + t)
+        slot = tl.load(offsets_ptr + t)
+        dst = cache_ptr + page * page_stride + slot * slot_stride + kv_head * 2 * HALF
+        x1 = tl.load(src + offs, mask=mask).to(tl.float32)
+        x2 = tl.load(src + HALF + offs, mask=mask).to(tl.float32)
+        # rounded to the model's dtype first, as the unfused reference rotates k
+        k1 = (x1 * c1 - x2 * s1).to(out_ty)
+        k2 = (x2 * c2 + x1 * s2).to(out_ty)
+        v_src = v_ptr + t * v_stride_t + kv_head * v_stride_h
+        v1 = tl.load(v_src + offs, mask=mask)
+        v2 = tl.load(v_src + HALF + offs, mask=mask)
+        if KV_FP8:
+            tl.store(dst + offs, _to_fp8(k1.to(tl.float32) * k_inv), mask=mask)
+            tl.store(dst + HALF + offs, _to_fp8(k2.to(tl.float32) * k_inv), mask=mask)
+            tl.store(dst + kv_stride + offs, _to_fp8(v1.to(tl.float32) * v_inv), mask=mask)
+            tl.store(dst + kv_stride + HALF + offs, _to_fp8(v2.to(tl.float32) * v_inv), mask=mask)
+        else:
+            tl.store(dst + offs, k1, mask=mask)
+            tl.store(dst + HALF + offs, k2, mask=mask)
+            tl.store(dst + kv_stride + offs, v1, mask=mask)
+            tl.store(dst + kv_stride + HALF + offs, v2, mask=mask)
 
 
-def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets) -> None:
+@triton.jit
+def _to_fp8(x):
+    """float32 -> e4m3, saturated at +-448 (runtime/quant.py store_kv), round to nearest."""
+    return tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv)
+
+
+def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets, kv_scales) -> None:
     """q [T, hq, hd], k, v [T, hkv, hd] (any token/head strides, unit last stride): rotated q
     into contiguous q_out; rotated k and v into cache [P, 2, page_size, hkv, hd] (contiguous)
-    at (pages[t], offsets[t]) (int64 [T]); cos, sin [T, hd] with unit last stride."""
+    at (pages[t], offsets[t]) (int64 [T]), divided by kv_scales (k, v) when the cache is FP8;
+    cos, sin [T, hd] with unit last stride."""
     num_tokens, hq, hd = q.shape
     hkv = k.shape[1]
     half = hd // 2
@@ -105,9 +130,12 @@ def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets) -> None:
         cache.stride(0),
         cache.stride(1),
         cache.stride(2),
+        1.0 / kv_scales[0],
+        1.0 / kv_scales[1],
         NUM_Q_HEADS=hq,
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
+        KV_FP8=cache.dtype == torch.float8_e4m3fn,
         PDL=pdl(q.device),
         launch_pdl=pdl(q.device),
     )
@@ -128,18 +156,20 @@ def _kv_block(
     slot_stride,
     HALF: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
     """One kv head's k and v halves [BLOCK_T, BLOCK_H] at a row's cached positions `pos`
-    (those >= hi masked to 0), through the row's page list from indices[first_page]."""
+    (those >= hi masked to 0), through the row's page list from indices[first_page], as
+    DTYPE (FP8 pages widen exactly; their scales are applied by the caller)."""
     ok = pos < hi
     page = tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=ok, other=0)
     base = cache_ptr + page.to(tl.int64) * page_stride + (pos % PAGE_SIZE) * slot_stride
     kv_ok = ok[:, None] & e_ok[None, :]
     addr = base[:, None] + head_off + e[None, :]
-    k1 = tl.load(addr, mask=kv_ok, other=0.0)
-    k2 = tl.load(addr + HALF, mask=kv_ok, other=0.0)
-    v1 = tl.load(addr + kv_stride, mask=kv_ok, other=0.0)
-    v2 = tl.load(addr + kv_stride + HALF, mask=kv_ok, other=0.0)
+    k1 = tl.load(addr, mask=kv_ok, other=0.0).to(DTYPE)
+    k2 = tl.load(addr + HALF, mask=kv_ok, other=0.0).to(DTYPE)
+    v1 = tl.load(addr + kv_stride, mask=kv_ok, other=0.0).to(DTYPE)
+    v2 = tl.load(addr + kv_stride + HALF, mask=kv_ok, other=0.0).to(DTYPE)
     return k1, k2, v1, v2
 
 
@@ -171,6 +201,8 @@ def _decode_attention_kernel(
     kv_stride,
     slot_stride,
     scale_log2,
+    k_scale,
+    v_scale,
     NUM_KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -180,8 +212,12 @@ def _decode_attention_kernel(
     SPLITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    # FP8 pages (KV_FP8): keys and values are widened to the model's dtype for the products;
+    # a layer's k scale goes into the softmax scale and its v scale into the output. The new
+    # token's k and v are rounded to FP8 before it attends to them, as if read back.
     # One program per (row b, kv head h, split s): the GROUP query heads that share kv head h
     # attend over one chunk of row b's cached context. The context before the new token
     # (positions < L - 1) was written by earlier steps, so its first block is requested before
@@ -211,7 +247,7 @@ def _decode_attention_kernel(
         head_off = h * 2 * HALF
         k1, k2, v1, v2 = _kv_block(
             cache_ptr, indices_ptr, first_page, lo + t, hi, head_off, e, e_ok,
-            page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE,
+            page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, out_ptr.dtype.element_ty,
         )  # fmt: skip
         if PDL:
             gdc_wait()
@@ -239,6 +275,11 @@ def _decode_attention_kernel(
         v_addr = v_ptr + b * v_stride_t + h * v_stride_h + e
         vn1 = tl.load(v_addr, mask=e_ok, other=0.0)
         vn2 = tl.load(v_addr + HALF, mask=e_ok, other=0.0)
+        if KV_FP8:  # stored as FP8; attended to as read back (in units of the scales)
+            kn1 = _to_fp8(kn1.to(tl.float32) / k_scale)
+            kn2 = _to_fp8(kn2.to(tl.float32) / k_scale)
+            vn1 = _to_fp8(vn1.to(tl.float32) / v_scale)
+            vn2 = _to_fp8(vn2.to(tl.float32) / v_scale)
         last = s == active - 1
         if last:
             slot = (
@@ -265,7 +306,7 @@ def _decode_attention_kernel(
             # the next block's loads are issued before this block's arithmetic
             nk1, nk2, nv1, nv2 = _kv_block(
                 cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e, e_ok,
-                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE,
+                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, dtype,
             )  # fmt: skip
             scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_T]
             scores = tl.where((start + t < hi)[None, :], scores * scale_log2, float("-inf"))
@@ -280,8 +321,8 @@ def _decode_attention_kernel(
             k1, k2, v1, v2 = nk1, nk2, nv1, nv2
         out_addr = out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[:, None] * 2 * HALF + e[None, :]
         if active == 1:
-            tl.store(out_addr, (acc1 / l_sum[:, None]).to(dtype), mask=q_ok)
-            tl.store(out_addr + HALF, (acc2 / l_sum[:, None]).to(dtype), mask=q_ok)
+            tl.store(out_addr, (acc1 / l_sum[:, None] * v_scale).to(dtype), mask=q_ok)
+            tl.store(out_addr + HALF, (acc2 / l_sum[:, None] * v_scale).to(dtype), mask=q_ok)
         else:
             row = (b * NUM_KV_HEADS + h) * SPLITS
             tile = g[:, None] * 2 * BLOCK_H + e[None, :]
@@ -318,8 +359,8 @@ def _decode_attention_kernel(
                     a2 = tl.load(aj + BLOCK_H, mask=q_ok, other=0.0, cache_modifier=".cg")
                     o1 += wj[:, None] * a1
                     o2 += wj[:, None] * a2
-                tl.store(out_addr, (o1 / total[:, None]).to(dtype), mask=q_ok)
-                tl.store(out_addr + HALF, (o2 / total[:, None]).to(dtype), mask=q_ok)
+                tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=q_ok)
+                tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=q_ok)
                 tl.store(count_ptr + b * NUM_KV_HEADS + h, 0)  # ready for the next step
 
 
@@ -363,6 +404,7 @@ def decode_attention(
     workspace,
     scale: float,
     splits: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
     block_t: int = 64,
     min_chunk: int = 128,
     num_warps: int = 8,
@@ -371,7 +413,8 @@ def decode_attention(
     q [B, hq, hd], k, v [B, hkv, hd] (this step's, before RoPE; unit last stride), cos, sin
     [B, hd]; cache [P, 2, page_size, hkv, hd]; a row's pages are indices[indptr[b]:indptr[b+1]]
     with last_len[b] tokens in the last (int32), its new token goes to (pages[b], offsets[b])
-    (int64). out [B, hq, hd] contiguous. workspace from decode_workspace(..., splits)."""
+    (int64). out [B, hq, hd] contiguous. workspace from decode_workspace(..., splits). An FP8
+    cache holds keys and values divided by kv_scales (k, v)."""
     batch, hq, hd = q.shape
     hkv = k.shape[1]
     part_acc, part_ml, counts = workspace
@@ -402,7 +445,9 @@ def decode_attention(
         cache.stride(0),
         cache.stride(1),
         cache.stride(2),
-        scale * 1.4426950408889634,
+        scale * kv_scales[0] * 1.4426950408889634,
+        kv_scales[0],
+        kv_scales[1],
         NUM_KV_HEADS=hkv,
         GROUP=hq // hkv,
         BLOCK_G=_block_g(hq // hkv),
@@ -412,6 +457,7 @@ def decode_attention(
         SPLITS=splits,
         BLOCK_T=block_t,
         MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
+        KV_FP8=cache.dtype == torch.float8_e4m3fn,
         PDL=use_pdl,
         num_warps=num_warps,
         launch_pdl=use_pdl,

@@ -17,8 +17,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def load_runner(package_dir: str, rank: int, num_pages: int):
-    """Rank `rank`'s ReferenceRunner over a fresh num_pages cache, and the package."""
+def load_runner(package_dir: str, rank: int, num_pages: int, kv_dtype: str = "auto"):
+    """Rank `rank`'s ReferenceRunner over a fresh num_pages cache (pages as `orbit serve
+    --kv-dtype kv_dtype`), and the package."""
     from runtime.kv_cache import KVCache, KVCacheShape
     from runtime.layers import TPGroup
     from runtime.model import build_model
@@ -30,7 +31,8 @@ def load_runner(package_dir: str, rank: int, num_pages: int):
     shard = pkg.load_shard(rank)
     model = build_model(pkg.spec, shard, group, pkg.capacities.max_seq_len, quant=pkg.quant)
     shape = KVCacheShape.for_spec(pkg.spec, pkg.tp_size, num_pages, pkg.capacities.kv_page_size)
-    return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu")), pkg
+    kv = KVCache(shape, pkg.dtype, "cpu", pkg.kv_quant(kv_dtype))
+    return ReferenceRunner(model, kv), pkg
 
 
 def _greedy(runner, page_size: int, prompt: list[int], max_new: int, eos: set[int], chunk: int):
@@ -56,7 +58,7 @@ def _greedy(runner, page_size: int, prompt: list[int], max_new: int, eos: set[in
     return first_logits, out_ids
 
 
-def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path):
+def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path, kv_dtype):
     if tp > 1:
         # A file store, not rank 0's TCPStore: with TCP, rank 0 could exit and take the store
         # down while another rank was still tearing down, which aborted that rank in C++
@@ -65,7 +67,7 @@ def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path
             "gloo", init_method=f"file://{store_path}", rank=rank, world_size=tp
         )
     torch.set_num_threads(1)
-    runner, pkg = load_runner(package_dir, rank, num_pages=256)
+    runner, pkg = load_runner(package_dir, rank, num_pages=256, kv_dtype=kv_dtype)
     eos = set(pkg.manifest.tokenizer.eos_token_ids)
     results = []
     for prompt in prompts:
@@ -79,13 +81,20 @@ def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path
 
 
 def run_tp(
-    package_dir: Path, tp: int, prompts: list[list[int]], max_new: int, chunk: int, tmp: Path
+    package_dir: Path,
+    tp: int,
+    prompts: list[list[int]],
+    max_new: int,
+    chunk: int,
+    tmp: Path,
+    kv_dtype: str = "auto",
 ) -> list[dict]:
     """Greedy-generate each prompt on `tp` processes; returns rank 0's logits and ids."""
     out = tmp / f"result-tp{tp}.json"
+    store = str(tmp / f"store-tp{tp}")
     mp.start_processes(
         _worker,
-        args=(tp, str(tmp / f"store-tp{tp}"), str(package_dir), prompts, max_new, chunk, str(out)),
+        args=(tp, store, str(package_dir), prompts, max_new, chunk, str(out), kv_dtype),
         nprocs=tp,
         join=True,
         start_method="spawn",
@@ -93,7 +102,7 @@ def run_tp(
     return json.loads(out.read_text())
 
 
-def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path):
+def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path, kv_dtype):
     """Teacher-forced log-likelihood of tokens[1:] given the tokens before each, in chunks."""
     from runtime.runner import SeqInput
 
@@ -106,7 +115,7 @@ def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path):
     torch.set_num_threads(1)
     page = open_package(package_dir).capacities.kv_page_size
     pages = list(range(-(-len(tokens) // page)))
-    runner, _ = load_runner(package_dir, rank, num_pages=len(pages))
+    runner, _ = load_runner(package_dir, rank, num_pages=len(pages), kv_dtype=kv_dtype)
     total = 0.0
     for start in range(0, len(tokens) - 1, chunk):
         piece = tokens[start : min(start + chunk, len(tokens) - 1)]
@@ -120,12 +129,15 @@ def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path):
         dist.destroy_process_group()
 
 
-def score_tp(package_dir: Path, tp: int, tokens: list[int], chunk: int, tmp: Path) -> float:
+def score_tp(
+    package_dir: Path, tp: int, tokens: list[int], chunk: int, tmp: Path, kv_dtype: str = "auto"
+) -> float:
     """Sum of log p(tokens[i + 1] | tokens[:i + 1]) on `tp` processes (rank 0's)."""
     out = tmp / f"score-tp{tp}.json"
+    store = str(tmp / f"score-store-tp{tp}")
     mp.start_processes(
         _score_worker,
-        args=(tp, str(tmp / f"score-store-tp{tp}"), str(package_dir), tokens, chunk, str(out)),
+        args=(tp, store, str(package_dir), tokens, chunk, str(out), kv_dtype),
         nprocs=tp,
         join=True,
         start_method="spawn",

@@ -88,6 +88,7 @@ class UpOptions:
     timeout_s: float = 600.0
     kv_pages: int = 0  # 0: ranks size their KV cache from memory (or kv_cache_mb on CPU)
     kv_cache_mb: int = 512
+    kv_dtype: str = "auto"  # the ranks' KV pages: auto, fp8 or model
     stop_grace_s: float = STOP_GRACE_S
     # Start even when the preflight finds HARD problems (they are still reported).
     force: bool = False
@@ -199,6 +200,7 @@ def launch_fingerprint(
     frontend = [config.frontend.address, list(config.frontend.port_range)]
     # The log level counts only when set: clusters brought up before it existed stay the same.
     level = [opts.log_level] if opts.log_level != "warning" else []
+    level += [opts.kv_dtype] if opts.kv_dtype != "auto" else []  # likewise
     data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *level])
     return hashlib.sha256(data.encode()).hexdigest()
 
@@ -341,6 +343,7 @@ def _launches(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
             opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
             len(config.trusted_keys) if config.require_signature else 0, opts.log_level,
+            opts.kv_dtype,
         ))  # fmt: skip
     return launches
 

@@ -19,6 +19,7 @@ class LocalRankOptions:
     device: str = "cpu"
     kv_pages: int = 0
     kv_cache_mb: int = 512
+    kv_dtype: str = "auto"  # auto, fp8 or model (runtime/quant.py KV_DTYPES)
     threads: int = 0  # torch threads per CPU rank; 0: default_rank_threads()
     log_level: str = "warning"  # the ranks' logging level
     trusted_keys: tuple[Path, ...] = ()  # passed on: ranks refuse packages not signed by one
@@ -87,6 +88,8 @@ class LocalRanks:
                 str(self.opts.kv_pages),
                 "--kv-cache-mb",
                 str(self.opts.kv_cache_mb),
+                "--kv-dtype",
+                self.opts.kv_dtype,
                 "--threads",
                 str(threads),
                 "--exit-with-parent",

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 from runtime import triton_kernels
 from runtime.attention import ReferenceAttention, SeqSpan
 from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.quant import KVQuant
 from tests.gpu.steps import rel_error
 
 # The kernel rounds to bf16 three times where the float32 reference does not: the rotated q
@@ -23,17 +24,20 @@ from tests.gpu.steps import rel_error
 TOL = 1.5e-2
 
 
-def run_case(device, lengths, hq, hkv, hd, page_size, splits, seed=0):
+def run_case(device, lengths, hq, hkv, hd, page_size, splits, seed=0, kv_scales=None):
     """Returns the relative errors of the output and of the cache after the step, the kernel's
-    against the reference's, for rows whose contexts (the new token included) are `lengths`."""
+    against the reference's, for rows whose contexts (the new token included) are `lengths`.
+    kv_scales (k, v): over FP8 pages with those scales (tests/gpu/test_kv_fp8.py)."""
     g = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     pages_per = [-(-n // page_size) for n in lengths]
     num_pages = sum(pages_per) + 3
     shape = KVCacheShape(1, num_pages, page_size, hkv, hd)
-    ref_kv = KVCache(shape, torch.float32, "cpu")
-    ref_kv.layers[0].copy_(torch.randn(ref_kv.layers[0].shape, generator=g))
-    ref_kv.layers[0].copy_(ref_kv.layers[0].to(torch.bfloat16).float())
+    quant = None if kv_scales is None else KVQuant((kv_scales[0],), (kv_scales[1],))
+    ref_kv = KVCache(shape, torch.float32, "cpu", quant)
+    ref_kv.layers[0].copy_(torch.randn(ref_kv.layers[0].shape, generator=g).to(ref_kv.dtype))
+    if quant is None:
+        ref_kv.layers[0].copy_(ref_kv.layers[0].to(torch.bfloat16).float())
     perm = torch.randperm(num_pages, generator=g)  # pages out of order, as a real pool has
     tables, start = [], 0
     for n in pages_per:
@@ -49,7 +53,8 @@ def run_case(device, lengths, hq, hkv, hd, page_size, splits, seed=0):
     cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)  # the model's tables
     scale = hd**-0.5
 
-    cache = ref_kv.layers[0].to(torch.bfloat16).to(device)
+    cache = ref_kv.layers[0].to(torch.bfloat16 if quant is None else ref_kv.dtype)
+    cache = cache.to(device)
     spans = [SeqSpan(1, n, t) for n, t in zip(lengths, tables)]
     ref_attn = ReferenceAttention(spans, ref_kv, scale)
     ref = ref_attn.attend(0, q.float(), k.float(), v.float(), cos.float(), sin.float())
@@ -79,10 +84,11 @@ def run_case(device, lengths, hq, hkv, hd, page_size, splits, seed=0):
             work,
             scale,
             splits,
+            kv_scales or (1.0, 1.0),
         )
         assert int(work[2].abs().sum()) == 0
     err = rel_error(out.float().cpu(), ref)
-    cache_err = rel_error(cache.float().cpu(), ref_kv.layers[0])
+    cache_err = rel_error(cache.float().cpu(), ref_kv.layers[0].float())
     return err, cache_err
 
 
