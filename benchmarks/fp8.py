@@ -61,6 +61,24 @@ def logits_for(runner, prompt: list[int], steps: int) -> torch.Tensor:
     return torch.stack(rows).float().cpu()
 
 
+def compare_runs(result: dict, logits: dict, batches: str) -> None:
+    """Into result: the FP8 run's logits against the bf16 run's (relative distance of the
+    prefill row and of the decode rows, greedy agreement) and its decode speedup per batch
+    over the slower of the two bf16 runs ("bf16", "bf16_again")."""
+    diff = logits["fp8"] - logits["bf16"]
+    result["logits_rel_error"] = {
+        "prefill_row": (diff[0].norm() / logits["bf16"][0].norm()).item(),
+        "decode_rows": (diff[1:].norm() / logits["bf16"][1:].norm()).item(),
+        "greedy_agree": (logits["fp8"].argmax(-1) == logits["bf16"].argmax(-1))
+        .float()
+        .mean()
+        .item(),
+    }
+    for i, b in enumerate(batches.split(",")):
+        base = min(result[k]["decode"][i]["tokens_per_s"] for k in ("bf16", "bf16_again"))
+        result[f"speedup_batch{b}"] = result["fp8"]["decode"][i]["tokens_per_s"] / base
+
+
 def _graph_us(fn, launches: int = 20) -> float:
     """Microseconds per launch of fn, launched `launches` times inside one CUDA graph (so the
     host's launch cost, which exceeds a small GEMV's time, is out of the measurement)."""
@@ -170,18 +188,7 @@ def main(argv=None) -> int:
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-    diff = logits["fp8"] - logits["bf16"]
-    result["logits_rel_error"] = {
-        "prefill_row": (diff[0].norm() / logits["bf16"][0].norm()).item(),
-        "decode_rows": (diff[1:].norm() / logits["bf16"][1:].norm()).item(),
-        "greedy_agree": (logits["fp8"].argmax(-1) == logits["bf16"].argmax(-1))
-        .float()
-        .mean()
-        .item(),
-    }
-    for i, b in enumerate(args.batches.split(",")):
-        base = min(result[k]["decode"][i]["tokens_per_s"] for k in ("bf16", "bf16_again"))
-        result[f"speedup_batch{b}"] = result["fp8"]["decode"][i]["tokens_per_s"] / base
+    compare_runs(result, logits, args.batches)
     if args.sweep:
         del fp8, deq
         gc.collect()

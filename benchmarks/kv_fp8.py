@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.decode import build_runner, hf_config, measure_decode, measure_ttft, random_shard
-from benchmarks.fp8 import logits_for
+from benchmarks.fp8 import compare_runs, logits_for
 
 
 def main(argv=None) -> int:
@@ -79,19 +79,8 @@ def main(argv=None) -> int:
         del runner
         gc.collect()
         torch.cuda.empty_cache()
-    diff = logits["fp8"] - logits["bf16"]
-    result["logits_rel_error"] = {
-        "prefill_row": (diff[0].norm() / logits["bf16"][0].norm()).item(),
-        "decode_rows": (diff[1:].norm() / logits["bf16"][1:].norm()).item(),
-        "greedy_agree": (logits["fp8"].argmax(-1) == logits["bf16"].argmax(-1))
-        .float()
-        .mean()
-        .item(),
-    }
+    compare_runs(result, logits, args.batches)
     result["pages_ratio"] = result["fp8"]["kv_pages"] / result["bf16"]["kv_pages"]
-    for i, b in enumerate(args.batches.split(",")):
-        base = min(result[k]["decode"][i]["tokens_per_s"] for k in ("bf16", "bf16_again"))
-        result[f"speedup_batch{b}"] = result["fp8"]["decode"][i]["tokens_per_s"] / base
     (out / "kv-fp8.json").write_text(json.dumps(result, indent=2))
     summary = {k: v for k, v in result.items() if k not in ("bf16", "fp8", "bf16_again")}
     print(json.dumps(summary, indent=1))

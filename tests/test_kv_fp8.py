@@ -209,3 +209,32 @@ def test_serve_with_fp8_kv_pages(tiny_checkpoints, tmp_path):
         finally:
             _stop(server)
     assert pages["auto"] == 2 * pages["model"], pages
+
+
+def test_orbit_up_passes_the_kv_dtype_to_its_ranks():
+    """`orbit up --kv-dtype fp8` reaches each rank's command line and changes the launch
+    fingerprint (a running cluster with other pages is restarted, not reused); the default adds
+    nothing, so clusters brought up before the flag existed keep their fingerprint."""
+    from orbit.cluster.config import HostConfig, parse_cluster_config
+    from orbit.cluster.launch import rank_launch
+    from orbit.cluster.state import ClusterState, HostRecord
+    from orbit.cluster.up import UpOptions, launch_fingerprint
+    from ranks.config import RankConfig
+
+    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
+    state = ClusterState(
+        "/c.toml", "/pkg", "d", "f", 1, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
+        (host,), (),
+    )  # fmt: skip
+
+    def argv(kv_dtype: str) -> list[str]:
+        launch = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, kv_dtype=kv_dtype)
+        return [str(arg) for arg in launch.argv]
+
+    assert RankConfig.from_argv(argv("fp8")[3:]).kv_dtype == "fp8"
+    assert "--kv-dtype" not in argv("auto")
+    assert RankConfig.from_argv(argv("auto")[3:]).kv_dtype == "auto"
+    config = parse_cluster_config('package = "pkg"\n\n[[hosts]]\naddress = "gpu-a"\n')
+    default = launch_fingerprint(config, UpOptions())
+    assert launch_fingerprint(config, UpOptions(kv_dtype="auto")) == default
+    assert launch_fingerprint(config, UpOptions(kv_dtype="fp8")) != default

@@ -198,10 +198,11 @@ def launch_fingerprint(
         for h in config.hosts
     ]
     frontend = [config.frontend.address, list(config.frontend.port_range)]
-    # The log level counts only when set: clusters brought up before it existed stay the same.
-    level = [opts.log_level] if opts.log_level != "warning" else []
-    level += [opts.kv_dtype] if opts.kv_dtype != "auto" else []  # likewise
-    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *level])
+    # The log level and KV dtype count only when set: clusters brought up before they existed
+    # keep their fingerprint.
+    extra = [opts.log_level] if opts.log_level != "warning" else []
+    extra += [opts.kv_dtype] if opts.kv_dtype != "auto" else []
+    data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *extra])
     return hashlib.sha256(data.encode()).hexdigest()
 
 
