@@ -56,6 +56,10 @@ def _scales(spec) -> KVQuant:
     )
 
 
+def _stack(rows: list[list[torch.Tensor]]) -> torch.Tensor:
+    return torch.stack([torch.stack(r) for r in rows])
+
+
 def test_model_over_fp8_pages_matches_reference(llama_tensors, report):
     spec, tensors = llama_tensors
     quant = _scales(spec)
@@ -73,12 +77,20 @@ def test_model_over_fp8_pages_matches_reference(llama_tensors, report):
     got = steps.teacher_forced(fp8, prompts, conts, tables)
     want = steps.teacher_forced(ref, prompts, conts, tables)
     dense = steps.teacher_forced(bf16, prompts, conts, tables)
-    stack = lambda rows: torch.stack([torch.stack(r) for r in rows])  # noqa: E731
-    err = steps.rel_error(stack(got), stack(want))
-    cost = steps.rel_error(stack(got), stack(dense))
+    err = steps.rel_error(_stack(got), _stack(want))
+    cost = steps.rel_error(_stack(got), _stack(dense))
     report("fp8_kv_vs_reference", rel_err=err, fp8_vs_bf16_pages=cost)
     assert err <= FP8_KV_TOL, err
     # batch 1 again: the fused decode graph at a short context, FlashInfer's past it
     one = steps.teacher_forced(fp8, prompts[:1], conts[:1], tables[:1])
     ref_one = steps.teacher_forced(ref, prompts[:1], conts[:1], tables[:1])
-    assert steps.rel_error(stack(one), stack(ref_one)) <= FP8_KV_TOL
+    assert steps.rel_error(_stack(one), _stack(ref_one)) <= FP8_KV_TOL
+    # FlashInfer's decode kernels for every bucket (its k_scale in the softmax scale, v_scale
+    # on the output), as buckets beyond the fused kernel's run
+    flashinfer = models.cuda_runner(
+        spec, tensors, TPGroup(), kv_quant=quant, fused_decode_max_bucket=0
+    )
+    fi = steps.teacher_forced(flashinfer, prompts, conts, tables)
+    fi_err = steps.rel_error(_stack(fi), _stack(want))
+    report("fp8_kv_flashinfer_decode_vs_reference", rel_err=fi_err)
+    assert fi_err <= FP8_KV_TOL, fi_err
