@@ -27,10 +27,10 @@ from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
 from runtime.grammar import GrammarMasks
 from runtime.kv_cache import KVCache, KVCacheShape
-from runtime.quant import FP8
 from runtime.layers import TPGroup
 from runtime.model import build_model
 from runtime.package import Package, open_package
+from runtime.quant import FP8
 from runtime.runner import ReferenceRunner
 from runtime.sampling import sample
 from runtime.signing import load_public_key

@@ -145,6 +145,13 @@ class CudaGraphRunner:
                 f"CudaGraphRunner needs a bfloat16/float16 model on CUDA, got {self.dtype} on "
                 f"{self.device}; the CPU path is ReferenceRunner."
             )
+        capability = torch.cuda.get_device_capability(self.device)
+        if options.kv_quant is not None and capability < (8, 9):
+            # Orbit's KV-writing kernels store e4m3 through Triton, which has it from sm89 on.
+            raise ValueError(
+                f"FP8 KV pages need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                f"this one is {capability[0]}.{capability[1]}. Serve with --kv-dtype model."
+            )
         spec, self.tp = model.spec, model.embed.group.size
         self.page_size = capacities.kv_page_size
         self.scale = spec.head_dim**-0.5
