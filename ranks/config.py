@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from runtime.quant import KV_DTYPES
+
 
 @dataclass(frozen=True)
 class RankConfig:
@@ -38,7 +40,7 @@ class RankConfig:
         p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
         p.add_argument("--kv-pages", type=int, default=0)
         p.add_argument("--kv-cache-mb", type=int, default=512)
-        p.add_argument("--kv-dtype", choices=["auto", "fp8", "model"], default="auto")
+        p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto")
         p.add_argument("--heartbeat-s", type=float, default=1.0)
         p.add_argument("--threads", type=int, default=0)
         p.add_argument("--exit-with-parent", action="store_true")

@@ -7,6 +7,8 @@ Two layouts, both float8_e4m3fn weights whose real value is weight * scale:
   `weight_block_size`, whose `weight_scale_inv` is this multiplier despite its name).
 Only qkv, o, gate_up and down are quantized; the embedding, LM head and norms keep the
 package's dtype, as the published FP8 checkpoints keep them.
+
+And FP8 KV pages (KVQuant, below): e4m3 keys and values with one scale per layer.
 """
 
 from __future__ import annotations
