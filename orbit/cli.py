@@ -326,10 +326,10 @@ def serve(
     )
 
     def on_ready(engine) -> None:
-        err.print(
-            f"serving on http://{host}:{port}/v1 "
-            f"({opts.package}, {engine.scheduler.config.num_pages} KV pages)"
-        )
+        pages = f"{engine.scheduler.config.num_pages} KV pages"
+        if engine.link.kv_dtype:
+            pages += f" of {engine.link.kv_dtype}"
+        err.print(f"serving on http://{host}:{port}/v1 ({opts.package}, {pages})")
 
     if api_servers < 0:
         fail(f"--api-servers must be 0 (automatic) or more, not {api_servers}.")

@@ -95,7 +95,11 @@ class Rank:
         with self.watchdog.watch(wire_pb2.PHASE_COLLECTIVES_CHECK):
             check = self._check_collectives(pkg)
         self.ready = wire_pb2.Ready(
-            rank=cfg.rank, num_kv_pages=num_pages, device=cfg.device, startup_s=phases.elapsed_s()
+            rank=cfg.rank,
+            num_kv_pages=num_pages,
+            device=cfg.device,
+            startup_s=phases.elapsed_s(),
+            kv_dtype=str(runner.kv.dtype).removeprefix("torch."),
         )
         if check is not None:
             self.ready.MergeFrom(wire_pb2.Ready(**dataclasses.asdict(check)))

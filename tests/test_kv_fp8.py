@@ -194,7 +194,7 @@ def test_serve_with_fp8_kv_pages(tiny_checkpoints, tmp_path):
 
     prompt = [1, 17, 33, 250, 9, 4, 77]
     [want] = run_tp(out, 2, [prompt], 12, chunk=64, tmp=tmp_path, kv_dtype="fp8")
-    pages = {}
+    pages, said = {}, {}
     for kv_dtype in ("auto", "model"):
         args = ("--kv-cache-mb", "1", "--kv-dtype", kv_dtype, "--api-servers", "1")
         server, _ = _start(out, *args)
@@ -207,8 +207,13 @@ def test_serve_with_fp8_kv_pages(tiny_checkpoints, tmp_path):
                 expected = tok.decode(want["ids"], skip_special_tokens=True)
                 assert _complete(server, prompt, 12) == expected
         finally:
-            _stop(server)
+            said[kv_dtype] = _stop(server)
     assert pages["auto"] == 2 * pages["model"], pages
+    # the start-up line (wrapped to the terminal by rich) says what the pages hold, as the
+    # ranks' Ready reported it
+    lines = {k: " ".join(v.split()) for k, v in said.items()}
+    assert f"{pages['auto']:.0f} KV pages of float8_e4m3fn)" in lines["auto"]
+    assert f"{pages['model']:.0f} KV pages of bfloat16)" in lines["model"]
 
 
 def test_orbit_up_passes_the_kv_dtype_to_its_ranks():

@@ -95,6 +95,12 @@ class RankLink:
     def num_kv_pages(self) -> int:
         return min(r.ready.num_kv_pages for r in self.ranks)
 
+    @property
+    def kv_dtype(self) -> str:
+        """What the ranks' KV pages hold ("bfloat16", "float8_e4m3fn", ...; "" when the ranks
+        predate the field); every rank of a group runs the same --kv-dtype."""
+        return self.ranks[0].ready.kv_dtype
+
     async def attach(self, timeout_s: float) -> None:
         """Take over ranks that are already running (started by `orbit up`): send each one
         Attach until it is reachable, then wait for its Hello and Ready."""
