@@ -5,12 +5,10 @@ the same reference in tests/gpu/test_kv_fp8.py."""
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-import httpx
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,11 +166,6 @@ def test_smollm2_with_fp8_kv_stays_close_to_bf16_kv(smollm2_path, package_cache,
         assert abs(ll_fp8 - ll_bf16) <= 0.02 * abs(ll_bf16), (tp, ll_fp8, ll_bf16)
 
 
-def _metric(url: str, name: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return float(re.search(rf"^{name} (\S+)$", text, re.MULTILINE).group(1))
-
-
 def test_serve_with_fp8_kv_pages(tiny_checkpoints, tmp_path):
     """`orbit prepare --kv-dtype fp8`, served at TP 2 with the package's choice: twice the KV
     pages of `--kv-dtype model` in the same memory (bf16 package), and greedy text through the
@@ -199,7 +192,7 @@ def test_serve_with_fp8_kv_pages(tiny_checkpoints, tmp_path):
         args = ("--kv-cache-mb", "1", "--kv-dtype", kv_dtype, "--api-servers", "1")
         server, _ = _start(out, *args)
         try:
-            pages[kv_dtype] = _metric(server.url, "orbit_kv_pages_total")
+            pages[kv_dtype] = server.metrics()["orbit_kv_pages_total"]
             if kv_dtype == "auto":
                 from transformers import AutoTokenizer
 

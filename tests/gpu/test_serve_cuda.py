@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import httpx
@@ -116,11 +115,6 @@ def _gpu_against_cpu(
     return _serve_and_compare(packages, report, name, extra, tie_gap)[0]
 
 
-def _kv_pages(server: ServerProcess) -> int:
-    text = httpx.get(server.url + "/metrics", timeout=10).text
-    return int(float(re.search(r"^orbit_kv_pages_total (\S+)$", text, re.MULTILINE).group(1)))
-
-
 def _serve_and_compare(packages, report, name, extra, tie_gap) -> tuple[int, int]:
     """_gpu_against_cpu's work; returns (prompts agreeing completely, the GPU's KV pages)."""
     name_args = ("--model-name", MODEL, *extra)
@@ -131,7 +125,7 @@ def _serve_and_compare(packages, report, name, extra, tie_gap) -> tuple[int, int
     with ServerProcess(packages["bfloat16"], "--device", "cuda", *name_args) as gpu:
         got = [_greedy(gpu, p) for p in PROMPTS]
         streamed = _streamed(gpu, PROMPTS[0])
-        pages = _kv_pages(gpu)
+        pages = int(gpu.metrics()["orbit_kv_pages_total"])
     assert streamed == got[0][0]
     full_matches = 0
     for (ref_text, ref_tokens, ref_top), (text, tokens, _) in zip(reference, got):
@@ -169,6 +163,6 @@ def test_fp8_kv_pages_on_gpu_match_cpu_reference(packages, report):
         packages, report, "serve_cuda_fp8_kv_vs_cpu", fp8, 3 * TIE_GAP
     )
     with ServerProcess(packages["bfloat16"], "--device", "cuda", "--kv-dtype", "model") as gpu:
-        model_pages = _kv_pages(gpu)
+        model_pages = int(gpu.metrics()["orbit_kv_pages_total"])
     report("serve_cuda_fp8_kv_pages", fp8=fp8_pages, model=model_pages)
     assert fp8_pages >= 1.9 * model_pages
