@@ -26,11 +26,10 @@ from ranks.startup import Phases, Watchdog
 from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
 from runtime.grammar import GrammarMasks
-from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.kv_cache import KVCache, KVCacheShape, page_dtype
 from runtime.layers import TPGroup
 from runtime.model import build_model
 from runtime.package import Package, open_package
-from runtime.quant import FP8
 from runtime.runner import ReferenceRunner
 from runtime.sampling import sample
 from runtime.signing import load_public_key
@@ -139,8 +138,9 @@ class Rank:
         num_pages = cfg.kv_pages
         if not num_pages:
             page = KVCacheShape.for_spec(spec, cfg.tp_size, 1, caps.kv_page_size)
-            page_dtype = pkg.dtype if kv_quant is None else FP8
-            num_pages = max(1, (cfg.kv_cache_mb << 20) // page.bytes(page_dtype))
+            num_pages = max(
+                1, (cfg.kv_cache_mb << 20) // page.bytes(page_dtype(pkg.dtype, kv_quant))
+            )
         shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
         return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu", kv_quant)), num_pages
 

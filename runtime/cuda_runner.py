@@ -61,12 +61,12 @@ from runtime.cuda_attention import (
     PrefillAttention,
     PrefillGraphAttention,
 )
-from runtime.kv_cache import KVCache, KVCacheShape
+from runtime.kv_cache import KVCache, KVCacheShape, page_dtype
 from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
 from runtime.layers import TPGroup
 from runtime.model import Transformer, build_model
 from runtime.package import Package
-from runtime.quant import FP8, KVQuant
+from runtime.quant import KVQuant
 from runtime.runner import SeqInput
 from runtime.spec import Capacities
 
@@ -164,8 +164,8 @@ class CudaGraphRunner:
         reserve = self._profile() + options.reserve_margin_bytes
         num_wrappers = len(self.buckets) + len(self.prefill_buckets) + 1
         reserve += num_wrappers * _WRAPPER_INT_WORKSPACE_BYTES
-        kv_dtype = self.dtype if options.kv_quant is None else FP8
-        self.kv_plan = self._size_pool(self._kv_shape(1).bytes(kv_dtype), reserve)
+        page_bytes = self._kv_shape(1).bytes(page_dtype(self.dtype, options.kv_quant))
+        self.kv_plan = self._size_pool(page_bytes, reserve)
         self.pad_page = self.kv_plan.num_pages
         self.kv = self._kv_cache(self.kv_plan.num_pages + 1)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)

@@ -40,6 +40,11 @@ class KVCacheShape:
         return self.bytes(dtype) // self.num_pages
 
 
+def page_dtype(model_dtype: torch.dtype, quant: KVQuant | None) -> torch.dtype:
+    """What the pages hold: the model's dtype, or e4m3 with quant's scales."""
+    return model_dtype if quant is None else FP8
+
+
 class KVCache:
     def __init__(
         self,
@@ -50,8 +55,7 @@ class KVCache:
     ):
         """Pages of `model_dtype`, or FP8 ones scaled by `quant`."""
         self.shape, self.quant, self.model_dtype = shape, quant, model_dtype
-        dtype = model_dtype if quant is None else FP8
-        self.dtype = dtype  # of the pages
+        self.dtype = page_dtype(model_dtype, quant)
         if quant is not None and len(quant.k_scales) != shape.num_layers:
             raise ValueError(
                 f"{len(quant.k_scales)} KV scales for {shape.num_layers} layers; the package's "
@@ -64,7 +68,7 @@ class KVCache:
                 shape.page_size,
                 shape.kv_heads,
                 shape.head_dim,
-                dtype=dtype,
+                dtype=self.dtype,
                 device=device,
             )
             for _ in range(shape.num_layers)
