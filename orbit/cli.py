@@ -116,9 +116,18 @@ def main() -> None:
     app()
 
 
-def _speculation(method: str, num_tokens: int):
+def _speculation(method: str, num_tokens: int, draft: Path | None, cluster: Path | None):
     from runtime.speculation import SpeculationConfig
 
+    if (method == "draft") != (draft is not None):
+        fail(
+            "--speculate draft and --draft PACKAGE go together: pass both, or neither "
+            "(--speculate ngram needs no draft)."
+        )
+    if draft is not None and cluster is not None:
+        fail("--draft works with ranks orbit serve starts, not yet with --cluster; drop one.")
+    if draft is not None and not (draft / "manifest.pb").is_file():
+        fail(f"--draft {draft}: no Orbit package there; prepare one with orbit prepare --tp 1.")
     if method == "off":
         return None
     try:
@@ -191,10 +200,17 @@ def serve(
     speculate: Annotated[
         str,
         typer.Option(
-            help="Speculative decoding: off, or ngram (propose what followed the sequence's "
-            "latest suffix earlier in its prompt and output)."
+            help="Speculative decoding: off, ngram (propose what followed the sequence's "
+            "latest suffix earlier in its prompt and output) or draft (a smaller model: --draft)."
         ),
     ] = "off",
+    draft: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --speculate draft: a package of a smaller model with the same tokenizer, "
+            "prepared with --tp 1 and the served package's --page-size; rank 0 runs it."
+        ),
+    ] = None,
     spec_tokens: Annotated[
         int, typer.Option(help="Speculative decoding: the most proposals per step, 1 to 16.")
     ] = 4,
@@ -276,7 +292,7 @@ def serve(
     from orbit.serve_checks import EarlyChecks, ServeArgError, early_checks
 
     api_key = _api_key(api_key, api_key_file, api_key_env)
-    speculation = _speculation(speculate, spec_tokens)
+    speculation = _speculation(speculate, spec_tokens, draft, cluster)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)
@@ -322,6 +338,7 @@ def serve(
             kv_dtype=kv_dtype,
             threads=threads,
             trusted_keys=tuple(trusted_key or ()),
+            draft_package=draft,
         ),
     )
 

@@ -15,15 +15,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/wire.proto\x12\norbit.wire\"\x8d\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\x05 \x01(\x05\x12$\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.orbit.wire.Grammar\"9\n\x07Grammar\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.orbit.wire.SamplingParams\"\x8f\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x16\n\x0e\x66ollows_sample\x18\x06 \x01(\x08\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\"\x82\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\x12)\n\x08new_seqs\x18\x03 \x03(\x0b\x32\x17.orbit.wire.NewSequence\x12!\n\x04seqs\x18\x04 \x03(\x0b\x32\x13.orbit.wire.SeqStep\"w\n\x06Sample\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\r\n\x05\x65rror\x18\x06 \x01(\t\"\x89\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x07samples\x18\x03 \x03(\x0b\x32\x12.orbit.wire.Sample\x12\x11\n\texecute_s\x18\x04 \x01(\x01\x12\r\n\x05gpu_s\x18\x05 \x01(\x01\x12\x15\n\ridle_before_s\x18\x06 \x01(\x01\"]\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x16\n\x0epackage_digest\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x10\n\x08hostname\x18\x05 \x01(\t\"\xc8\x01\n\x05Ready\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0c\x61llreduce_us\x18\x04 \x01(\x01\x12\x17\n\x0f\x61llreduce_bytes\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x11\n\tnum_hosts\x18\x07 \x01(\r\x12\x11\n\tinterface\x18\x08 \x01(\t\x12\x11\n\tstartup_s\x18\t \x01(\x01\x12\x10\n\x08kv_dtype\x18\n \x01(\t\"M\n\x05Phase\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12#\n\x04name\x18\x02 \x01(\x0e\x32\x15.orbit.wire.PhaseName\x12\x11\n\telapsed_s\x18\x03 \x01(\x01\"/\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\"N\n\x07\x46\x61ilure\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x05phase\x18\x03 \x01(\x0e\x32\x15.orbit.wire.PhaseName\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1c\n\x06\x41ttach\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x86\x01\n\x06ToRank\x12$\n\x04step\x18\x01 \x01(\x0b\x32\x14.orbit.wire.StepPlanH\x00\x12(\n\x08shutdown\x18\x02 \x01(\x0b\x32\x14.orbit.wire.ShutdownH\x00\x12$\n\x06\x61ttach\x18\x03 \x01(\x0b\x32\x12.orbit.wire.AttachH\x00\x42\x06\n\x04kind\"\xfc\x01\n\x08\x46romRank\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.orbit.wire.HelloH\x00\x12\"\n\x05ready\x18\x02 \x01(\x0b\x32\x11.orbit.wire.ReadyH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.orbit.wire.StepResultH\x00\x12*\n\theartbeat\x18\x04 \x01(\x0b\x32\x15.orbit.wire.HeartbeatH\x00\x12&\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x13.orbit.wire.FailureH\x00\x12\"\n\x05phase\x18\x06 \x01(\x0b\x32\x11.orbit.wire.PhaseH\x00\x42\x06\n\x04kind*\xaa\x01\n\tPhaseName\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_CONNECT\x10\x01\x12\x14\n\x10PHASE_JOIN_GROUP\x10\x02\x12\x0e\n\nPHASE_LOAD\x10\x03\x12\x17\n\x13PHASE_KV_ALLOCATION\x10\x04\x12\x17\n\x13PHASE_GRAPH_CAPTURE\x10\x05\x12\x1b\n\x17PHASE_COLLECTIVES_CHECK\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/wire.proto\x12\norbit.wire\"\x8d\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x14\n\x0cnum_logprobs\x18\x05 \x01(\x05\x12$\n\x07grammar\x18\x06 \x01(\x0b\x32\x13.orbit.wire.Grammar\"9\n\x07Grammar\x12\x13\n\x0bjson_schema\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\"K\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12,\n\x08sampling\x18\x02 \x01(\x0b\x32\x1a.orbit.wire.SamplingParams\"\xa5\x01\n\x07SeqStep\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tstart_pos\x18\x03 \x01(\r\x12\x11\n\tnew_pages\x18\x04 \x03(\r\x12\x0e\n\x06sample\x18\x05 \x01(\x08\x12\x16\n\x0e\x66ollows_sample\x18\x06 \x01(\x08\x12\x13\n\x0bnum_samples\x18\x07 \x01(\r\x12\x14\n\x0c\x64raft_tokens\x18\x08 \x01(\r\"\x82\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x17\n\x0frelease_seq_ids\x18\x02 \x03(\x04\x12)\n\x08new_seqs\x18\x03 \x03(\x0b\x32\x17.orbit.wire.NewSequence\x12!\n\x04seqs\x18\x04 \x03(\x0b\x32\x13.orbit.wire.SeqStep\"\x8a\x01\n\x06Sample\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x04 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x02\x12\r\n\x05\x65rror\x18\x06 \x01(\t\x12\x11\n\tproposals\x18\x07 \x03(\r\"\x89\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12#\n\x07samples\x18\x03 \x03(\x0b\x32\x12.orbit.wire.Sample\x12\x11\n\texecute_s\x18\x04 \x01(\x01\x12\r\n\x05gpu_s\x18\x05 \x01(\x01\x12\x15\n\ridle_before_s\x18\x06 \x01(\x01\"]\n\x05Hello\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07tp_size\x18\x02 \x01(\r\x12\x16\n\x0epackage_digest\x18\x03 \x01(\t\x12\x0b\n\x03pid\x18\x04 \x01(\r\x12\x10\n\x08hostname\x18\x05 \x01(\t\"\xc8\x01\n\x05Ready\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_pages\x18\x02 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x03 \x01(\t\x12\x14\n\x0c\x61llreduce_us\x18\x04 \x01(\x01\x12\x17\n\x0f\x61llreduce_bytes\x18\x05 \x01(\x04\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x11\n\tnum_hosts\x18\x07 \x01(\r\x12\x11\n\tinterface\x18\x08 \x01(\t\x12\x11\n\tstartup_s\x18\t \x01(\x01\x12\x10\n\x08kv_dtype\x18\n \x01(\t\"M\n\x05Phase\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12#\n\x04name\x18\x02 \x01(\x0e\x32\x15.orbit.wire.PhaseName\x12\x11\n\telapsed_s\x18\x03 \x01(\x01\"/\n\tHeartbeat\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\"N\n\x07\x46\x61ilure\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t\x12$\n\x05phase\x18\x03 \x01(\x0e\x32\x15.orbit.wire.PhaseName\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1c\n\x06\x41ttach\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x86\x01\n\x06ToRank\x12$\n\x04step\x18\x01 \x01(\x0b\x32\x14.orbit.wire.StepPlanH\x00\x12(\n\x08shutdown\x18\x02 \x01(\x0b\x32\x14.orbit.wire.ShutdownH\x00\x12$\n\x06\x61ttach\x18\x03 \x01(\x0b\x32\x12.orbit.wire.AttachH\x00\x42\x06\n\x04kind\"\xfc\x01\n\x08\x46romRank\x12\"\n\x05hello\x18\x01 \x01(\x0b\x32\x11.orbit.wire.HelloH\x00\x12\"\n\x05ready\x18\x02 \x01(\x0b\x32\x11.orbit.wire.ReadyH\x00\x12(\n\x06result\x18\x03 \x01(\x0b\x32\x16.orbit.wire.StepResultH\x00\x12*\n\theartbeat\x18\x04 \x01(\x0b\x32\x15.orbit.wire.HeartbeatH\x00\x12&\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x13.orbit.wire.FailureH\x00\x12\"\n\x05phase\x18\x06 \x01(\x0b\x32\x11.orbit.wire.PhaseH\x00\x42\x06\n\x04kind*\xaa\x01\n\tPhaseName\x12\x15\n\x11PHASE_UNSPECIFIED\x10\x00\x12\x11\n\rPHASE_CONNECT\x10\x01\x12\x14\n\x10PHASE_JOIN_GROUP\x10\x02\x12\x0e\n\nPHASE_LOAD\x10\x03\x12\x17\n\x13PHASE_KV_ALLOCATION\x10\x04\x12\x17\n\x13PHASE_GRAPH_CAPTURE\x10\x05\x12\x1b\n\x17PHASE_COLLECTIVES_CHECK\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.wire_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PHASENAME']._serialized_start=1809
-  _globals['_PHASENAME']._serialized_end=1979
+  _globals['_PHASENAME']._serialized_start=1851
+  _globals['_PHASENAME']._serialized_end=2021
   _globals['_SAMPLINGPARAMS']._serialized_start=33
   _globals['_SAMPLINGPARAMS']._serialized_end=174
   _globals['_GRAMMAR']._serialized_start=176
@@ -31,29 +31,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NEWSEQUENCE']._serialized_start=235
   _globals['_NEWSEQUENCE']._serialized_end=310
   _globals['_SEQSTEP']._serialized_start=313
-  _globals['_SEQSTEP']._serialized_end=456
-  _globals['_STEPPLAN']._serialized_start=459
-  _globals['_STEPPLAN']._serialized_end=589
-  _globals['_SAMPLE']._serialized_start=591
-  _globals['_SAMPLE']._serialized_end=710
-  _globals['_STEPRESULT']._serialized_start=713
-  _globals['_STEPRESULT']._serialized_end=850
-  _globals['_HELLO']._serialized_start=852
-  _globals['_HELLO']._serialized_end=945
-  _globals['_READY']._serialized_start=948
-  _globals['_READY']._serialized_end=1148
-  _globals['_PHASE']._serialized_start=1150
-  _globals['_PHASE']._serialized_end=1227
-  _globals['_HEARTBEAT']._serialized_start=1229
-  _globals['_HEARTBEAT']._serialized_end=1276
-  _globals['_FAILURE']._serialized_start=1278
-  _globals['_FAILURE']._serialized_end=1356
-  _globals['_SHUTDOWN']._serialized_start=1358
-  _globals['_SHUTDOWN']._serialized_end=1384
-  _globals['_ATTACH']._serialized_start=1386
-  _globals['_ATTACH']._serialized_end=1414
-  _globals['_TORANK']._serialized_start=1417
-  _globals['_TORANK']._serialized_end=1551
-  _globals['_FROMRANK']._serialized_start=1554
-  _globals['_FROMRANK']._serialized_end=1806
+  _globals['_SEQSTEP']._serialized_end=478
+  _globals['_STEPPLAN']._serialized_start=481
+  _globals['_STEPPLAN']._serialized_end=611
+  _globals['_SAMPLE']._serialized_start=614
+  _globals['_SAMPLE']._serialized_end=752
+  _globals['_STEPRESULT']._serialized_start=755
+  _globals['_STEPRESULT']._serialized_end=892
+  _globals['_HELLO']._serialized_start=894
+  _globals['_HELLO']._serialized_end=987
+  _globals['_READY']._serialized_start=990
+  _globals['_READY']._serialized_end=1190
+  _globals['_PHASE']._serialized_start=1192
+  _globals['_PHASE']._serialized_end=1269
+  _globals['_HEARTBEAT']._serialized_start=1271
+  _globals['_HEARTBEAT']._serialized_end=1318
+  _globals['_FAILURE']._serialized_start=1320
+  _globals['_FAILURE']._serialized_end=1398
+  _globals['_SHUTDOWN']._serialized_start=1400
+  _globals['_SHUTDOWN']._serialized_end=1426
+  _globals['_ATTACH']._serialized_start=1428
+  _globals['_ATTACH']._serialized_end=1456
+  _globals['_TORANK']._serialized_start=1459
+  _globals['_TORANK']._serialized_end=1593
+  _globals['_FROMRANK']._serialized_start=1596
+  _globals['_FROMRANK']._serialized_end=1848
 # @@protoc_insertion_point(module_scope)

@@ -28,6 +28,8 @@ class RankConfig:
     # Failure naming the phase and exits (NCCL and gloo init cannot be aborted from inside).
     join_timeout_s: float = 120.0
     log_level: str = "warning"  # debug, info, warning or error (orbit serve --log-level)
+    # A package rank 0 drafts with (speculative decoding's draft proposer); "": none.
+    draft_package: str = ""
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
@@ -50,6 +52,7 @@ class RankConfig:
         p.add_argument(
             "--log-level", choices=["debug", "info", "warning", "error"], default="warning"
         )
+        p.add_argument("--draft-package", default="")
         a = p.parse_args(argv)
         return cls(
             package=a.package,
@@ -68,4 +71,5 @@ class RankConfig:
             curve_dir=a.curve_dir,
             join_timeout_s=a.join_timeout_s,
             log_level=a.log_level,
+            draft_package=a.draft_package,
         )

@@ -31,6 +31,10 @@ ranks stay in lock-step.
 A draw that raises fails only its own sequence: the batch is drawn again row by row, a row
 that still fails gets token 0 and an error in its Sample, and the frontend ends that sequence.
 Every rank runs the same code on the same logits, so all agree on which rows failed.
+
+Rank 0 of a group started with a draft package (speculative decoding's draft proposer) drafts
+in finish, once the draws are on the host, for the rows that ask (ranks/drafting.py); the
+proposals go back in each such row's last Sample.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proto import wire_pb2
+from ranks.drafting import Drafter, DraftRow, DraftState
 from runtime.grammar import GrammarError, GrammarMasks, SeqGrammar
 from runtime.runner import SeqInput
 from runtime.sampling import Sampled, SamplingParams
@@ -58,6 +63,7 @@ class SeqState:
     last_token: int | None = None  # this rank's latest finished sample: what follows_sample feeds
     grammar: SeqGrammar | None = None  # the output's matcher, for a constrained sequence
     error: str = ""  # why its grammar failed to compile: each of its samples reports it
+    draft: DraftState | None = None  # what the drafter knows of it (rank 0 with a draft)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Launched:
     gpu_start: torch.cuda.Event | None = None
     accepted: bool = False  # the rows' tokens went into their grammar matchers
     logits: torch.Tensor | None = None  # between forward and draw
+    draft_rows: list[DraftRow] = field(default_factory=list)  # with a drafter: every row
 
     def __post_init__(self) -> None:
         # A scan of rows per follows_sample row of the next step would be quadratic in batch.
@@ -107,11 +114,14 @@ class StepExecutor:
         sample_tokens: TokensFn | None,
         max_batch: int,
         grammars: GrammarMasks | None = None,
+        drafter: Drafter | None = None,
     ):
         """sample: draws and reads the tokens back (runtime/sampling.py or cuda_sampling.py);
         sample_tokens: CUDA only, draws leaving the tokens on the device; grammars: masks for
-        constrained sequences (None: a plan with a grammar fails the rank)."""
+        constrained sequences (None: a plan with a grammar fails the rank); drafter: the draft
+        proposer (rank 0 only; None: a plan that asks for draft tokens gets none)."""
         self.runner, self.rank, self.device = runner, rank, device
+        self.drafter = drafter
         self.grammars = grammars
         self.sample, self.sample_tokens = sample, sample_tokens
         self.seqs: dict[int, SeqState] = {}
@@ -144,7 +154,7 @@ class StepExecutor:
             self.seqs.pop(seq_id, None)
         for new in plan.new_seqs:
             self.seqs[new.seq_id] = self._new_state(new.sampling)
-        inputs, rows, feeds, errors = [], [], False, {}
+        inputs, rows, feeds, errors, draft_rows = [], [], False, {}, []
         for s in plan.seqs:
             state = self.seqs[s.seq_id]
             state.pages.extend(s.new_pages)
@@ -157,6 +167,13 @@ class StepExecutor:
                     state.grammar.replay(list(s.token_ids), s.start_pos)
             m = _num_samples(s, state, len(token_ids))
             inputs.append(SeqInput(token_ids, s.start_pos, state.pages, s.sample, fed_row, m))
+            if self.drafter is not None:
+                if state.draft is None:
+                    state.draft = self.drafter.start(s.start_pos)
+                known = None if s.follows_sample else token_ids
+                row = DraftRow(state.draft, state.pages, s.start_pos, known, len(rows), m, 0)
+                row.draft = s.draft_tokens if s.sample else 0
+                draft_rows.append(row)
             end = s.start_pos + len(token_ids)
             for pos in range(end - m + 1, end + 1):
                 rows.append((s.seq_id, state, pos))
@@ -172,6 +189,7 @@ class StepExecutor:
         launched = Launched(plan.step_id, started, rows, None, None, errors, gpu_start=gpu_start)
         launched.idle_before_s = idle_before_s
         launched.logits = logits
+        launched.draft_rows = draft_rows
         return launched
 
     def draw(self, launched: Launched, previous: Launched | None) -> None:
@@ -265,6 +283,23 @@ class StepExecutor:
         ids = [d.token_id for d in launched.drawn]
         launched.tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
 
+    def _draft(self, launched: Launched, drawn: list[Sampled]) -> dict[int, list[int]]:
+        """The drafter's proposals after the step's rows that ask, by their last sampling
+        row's index."""
+        rows = launched.draft_rows
+        if not rows:
+            return {}
+        for r in rows:
+            r.failed = any(
+                i in launched.errors for i in range(r.first_row, r.first_row + r.num_samples)
+            )
+        self.drafter.record(rows, [d.token_id for d in drawn])
+        return {
+            r.first_row + r.num_samples - 1: tokens
+            for r, tokens in zip(rows, self.drafter.propose(rows))
+            if tokens
+        }
+
     def ready(self, launched: Launched) -> bool:
         """Whether finish() would return without waiting for the GPU."""
         return launched.copied is None or launched.copied.query()
@@ -275,6 +310,7 @@ class StepExecutor:
         drawn = launched.drawn
         if drawn is None and launched.rows:
             drawn = [Sampled(t, float("nan"), ()) for t in self._token_ids(launched)]
+        proposals = self._draft(launched, drawn or [])
         for i, ((seq_id, state, _), d) in enumerate(zip(launched.rows, drawn or [])):
             state.last_token = d.token_id
             if self.rank == 0:
@@ -286,6 +322,7 @@ class StepExecutor:
                         top_token_ids=[t for t, _ in d.top],
                         top_logprobs=[lp for _, lp in d.top],
                         error=launched.errors.get(i, ""),
+                        proposals=proposals.get(i, ()),
                     )
                 )
         if launched.gpu_start is not None and launched.copied is not None:

@@ -22,6 +22,7 @@ import zmq
 from proto import wire_pb2
 from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig
+from ranks.drafting import Drafter, check_draft
 from ranks.startup import Phases, Watchdog
 from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
@@ -86,8 +87,9 @@ class Rank:
         phases.enter(wire_pb2.PHASE_JOIN_GROUP)
         with self.watchdog.watch(wire_pb2.PHASE_JOIN_GROUP):
             group = self._join_group()
-        runner, num_pages = self._load(pkg, group)
-        self.steps = self._executor(runner, pkg)
+        draft = self._open_draft(pkg, trusted)
+        runner, num_pages, drafter = self._load(pkg, group, draft)
+        self.steps = self._executor(runner, pkg, drafter)
         if cfg.device == "cuda":
             self._warm_up(pkg.spec.vocab_size)
         phases.enter(wire_pb2.PHASE_COLLECTIVES_CHECK)
@@ -124,17 +126,32 @@ class Rank:
     def device(self) -> torch.device:
         return torch.device("cuda", 0) if self.cfg.device == "cuda" else torch.device("cpu")
 
-    def _load(self, pkg: Package, group: TPGroup):
-        """Load the shard, allocate the KV cache (and capture graphs on CUDA); return the
-        runner and its KV page count."""
+    def _open_draft(self, pkg: Package, trusted) -> Package | None:
+        """Rank 0's draft package, checked against the served one; None without one (and on
+        the other ranks, which never draft)."""
+        if not self.cfg.draft_package or self.cfg.rank != 0:
+            return None
+        draft = open_package(self.cfg.draft_package, trusted_keys=trusted)
+        check_draft(pkg, draft)
+        return draft
+
+    def _load(self, pkg: Package, group: TPGroup, draft: Package | None):
+        """Load the shard (and the draft), allocate the KV cache (and capture graphs on
+        CUDA); return the runner, its KV page count and the drafter (None without a draft)."""
         cfg, spec, caps = self.cfg, pkg.spec, pkg.capacities
         self.phases.enter(wire_pb2.PHASE_LOAD)
         tensors = pkg.load_shard(cfg.rank, self.device)
         model = build_model(spec, tensors, group, caps.max_seq_len, self.device, pkg.quant)
+        draft_model = None
+        if draft is not None:  # loaded before the KV pool is sized from what memory is left
+            draft_model = build_model(
+                draft.spec, draft.load_shard(0, self.device), TPGroup(0, 1),
+                draft.capacities.max_seq_len, self.device, draft.quant,
+            )  # fmt: skip
         self.phases.enter(wire_pb2.PHASE_KV_ALLOCATION)
         kv_quant = pkg.kv_quant(cfg.kv_dtype)
         if cfg.device == "cuda":
-            return self._cuda_runner(model, caps, kv_quant)
+            return self._cuda_runners(model, caps, kv_quant, draft, draft_model)
         num_pages = cfg.kv_pages
         if not num_pages:
             page = KVCacheShape.for_spec(spec, cfg.tp_size, 1, caps.kv_page_size)
@@ -142,19 +159,44 @@ class Rank:
                 1, (cfg.kv_cache_mb << 20) // page.bytes(page_dtype(pkg.dtype, kv_quant))
             )
         shape = KVCacheShape.for_spec(spec, cfg.tp_size, num_pages, caps.kv_page_size)
-        return ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu", kv_quant)), num_pages
+        runner = ReferenceRunner(model, KVCache(shape, pkg.dtype, "cpu", kv_quant))
+        drafter = None
+        if draft is not None:
+            draft_shape = KVCacheShape.for_spec(draft.spec, 1, num_pages, caps.kv_page_size)
+            draft_kv = KVCache(draft_shape, draft.dtype, "cpu", None)
+            drafter = _drafter(ReferenceRunner(draft_model, draft_kv), draft)
+        return runner, num_pages, drafter
 
-    def _cuda_runner(self, model, caps, kv_quant):
+    def _cuda_runners(self, model, caps, kv_quant, draft: Package | None, draft_model):
         # runtime.cuda_runner.build_cuda_runner's steps, split so each phase is reported.
         from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
 
-        options = CudaRunnerOptions(max_kv_pages=self.cfg.kv_pages, kv_quant=kv_quant)
+        shared = 0
+        if draft is not None:
+            draft_page = KVCacheShape.for_spec(draft.spec, 1, 1, caps.kv_page_size)
+            shared = draft_page.bytes(draft.dtype)
+        options = CudaRunnerOptions(
+            max_kv_pages=self.cfg.kv_pages, kv_quant=kv_quant, shared_page_bytes=shared
+        )
         runner = CudaGraphRunner(model, caps, options)
+        num_pages, drafter = runner.kv_plan.num_pages, None
+        if draft is not None:
+            draft_runner = CudaGraphRunner(
+                draft_model, draft.capacities, CudaRunnerOptions(max_kv_pages=num_pages)
+            )
+            if draft_runner.kv_plan.num_pages < num_pages:
+                raise ValueError(
+                    f"the draft's KV pool holds {draft_runner.kv_plan.num_pages} pages, the "
+                    f"served model's {num_pages}; pass a smaller --kv-pages"
+                )
+            drafter = _drafter(draft_runner, draft)
         self.phases.enter(wire_pb2.PHASE_GRAPH_CAPTURE)
         runner.capture()
-        return runner, runner.kv_plan.num_pages
+        if drafter is not None:
+            drafter.runner.capture()
+        return runner, num_pages, drafter
 
-    def _executor(self, runner, pkg: Package) -> StepExecutor:
+    def _executor(self, runner, pkg: Package, drafter: Drafter | None) -> StepExecutor:
         max_batch = pkg.capacities.max_batch
         grammars = GrammarMasks(
             pkg.tokenizer_dir,
@@ -174,8 +216,11 @@ class Rank:
                 cuda_sampling.sample_tokens,
                 max_batch,
                 grammars,
+                drafter,
             )
-        return StepExecutor(runner, self.cfg.rank, self.device, sample, None, max_batch, grammars)
+        return StepExecutor(
+            runner, self.cfg.rank, self.device, sample, None, max_batch, grammars, drafter
+        )
 
     def _warm_up(self, vocab_size: int) -> None:
         """Compile the kernels that run outside the graphs (the draw, the grammar mask) before
@@ -290,6 +335,11 @@ class Rank:
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def _drafter(runner, draft: Package) -> Drafter:
+    caps = draft.capacities
+    return Drafter(runner, draft.spec.vocab_size, caps.max_batch, caps.max_step_tokens)
 
 
 def rank_threads(cfg: RankConfig) -> int:

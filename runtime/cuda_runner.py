@@ -93,6 +93,9 @@ class CudaRunnerOptions:
     fused_decode_max_bucket: int = 8
     fused_decode_max_context: int = 2048
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
+    # Bytes per page of another pool indexed by the same page ids, allocated after this one
+    # (rank 0's draft model, ranks/drafting.py): the pool is sized as if its pages held both.
+    shared_page_bytes: int = 0
 
 
 class RankSettings(Protocol):
@@ -165,7 +168,7 @@ class CudaGraphRunner:
         num_wrappers = len(self.buckets) + len(self.prefill_buckets) + 1
         reserve += num_wrappers * _WRAPPER_INT_WORKSPACE_BYTES
         page_bytes = self._kv_shape(1).bytes(page_dtype(self.dtype, options.kv_quant))
-        self.kv_plan = self._size_pool(page_bytes, reserve)
+        self.kv_plan = self._size_pool(page_bytes + options.shared_page_bytes, reserve)
         self.pad_page = self.kv_plan.num_pages
         self.kv = self._kv_cache(self.kv_plan.num_pages + 1)
         self._prefill = PrefillAttention(self.kv, self._workspace, self.scale, self.num_q_heads)
@@ -179,7 +182,7 @@ class CudaGraphRunner:
             "KV pool: %d pages of %d tokens (%.1f GiB)",
             self.kv_plan.num_pages,
             self.page_size,
-            self.kv_plan.pool_bytes / 2**30,
+            (self.kv_plan.num_pages + 1) * page_bytes / 2**30,
         )
 
     # ---- start-up -----------------------------------------------------------------------

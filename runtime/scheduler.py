@@ -39,7 +39,10 @@ may be a verification row of its last known token and proposals, sampled after e
 keeps the proposals equal to the draws before them plus the draw after the last, and rolls the
 sequence's computed length back to them. A verification row in flight may have the sequence's
 next row chained behind it (`_chain`), its first token a guess of that row's last draw; a wrong
-guess voids it. docs/scheduler.md has the rules.
+guess voids it. With the draft proposer, a row that samples asks the ranks for `draft`
+proposals after its last draw, with pages for the draft's KV of them; the sequence then waits
+for that row's result, which carries them, instead of chaining. docs/scheduler.md has the
+rules.
 """
 
 from __future__ import annotations
@@ -127,6 +130,7 @@ class SeqChunk:
     # guess of that row's last draw, in place of a known token (see Scheduler._chain).
     guess: int | None = None
     void: bool = False  # a chained row whose guess proved wrong: apply() ignores its draws
+    draft: int = 0  # draft proposals the ranks make after this row's last draw
 
     @property
     def verifies(self) -> bool:
@@ -254,6 +258,7 @@ class Scheduler:
                 chunk = self._chunk(seq, 1 + len(proposals), step_id, proposals)
                 if proposals:
                     seq.verifying.append(chunk)
+                self._ask_draft(seq, chunk)
             chunks.append(chunk)
             budget -= chunk.num_tokens
             extra += chunk.num_tokens - 1
@@ -276,7 +281,9 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 self.running.append(seq)
                 self._count_hits(seq)
-            chunks.append(self._chunk(seq, n, step_id))
+            chunk = self._chunk(seq, n, step_id)
+            self._ask_draft(seq, chunk)
+            chunks.append(chunk)
             budget -= n
         released, self._released = self._released, []
         if not chunks and not released:
@@ -333,7 +340,7 @@ class Scheduler:
         ignores this row's draws, and its KV is overwritten later. None: nothing to guess, or
         no room; seq waits for the row in flight."""
         spec, ahead = seq.spec, seq.verifying[0]
-        if not spec.active:
+        if not spec.active or spec.drafts:
             return None
         start = ahead.start_pos + 1 + len(ahead.proposals)  # the guessed draw's position
         limit = min(  # proposals after the guess
@@ -373,6 +380,26 @@ class Scheduler:
             self.config.max_seq_len - seq.num_tokens,
         )
         return spec.propose(_unindexed(seq), limit)
+
+    def _ask_draft(self, seq: Sequence, chunk: SeqChunk) -> None:
+        """With the draft proposer: have the ranks propose after chunk's last draw, as many as
+        seq's next verification could use, with pages (sent with the chunk) for the draft's KV
+        of all but the last. None when pages are short: the row goes on alone."""
+        spec = seq.spec
+        if spec is None or not spec.drafts or not spec.active or not chunk.sample:
+            return
+        end = chunk.start_pos + chunk.num_tokens  # the row's draw lands here
+        k = min(
+            spec.k,
+            seq.max_tokens - len(seq.output_ids) - seq.pending - 1,
+            self.config.max_seq_len - end - 1,
+        )
+        if k <= 0 or not self._reserve(seq, end + k, preempt=False):
+            return
+        added = self._pending_pages.pop(seq.seq_id, 0)
+        if added:
+            chunk.new_pages = chunk.new_pages + seq.pages[-added:]
+        chunk.draft, spec.awaiting_draft = k, True
 
     def _prefill_candidates(self) -> list[Sequence]:
         partial = [s for s in self.running if self._uncomputed(s) > 1 or not s.num_computed]
@@ -444,6 +471,8 @@ class Scheduler:
         self._free(seq)
         seq.num_computed = seq.pending = 0  # the samples in flight are dropped by apply()
         seq.verifying.clear()
+        if seq.spec is not None:
+            seq.spec.drafted, seq.spec.awaiting_draft = [], False
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -469,11 +498,16 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     # ---- results ------------------------------------------------------------------------
-    def apply(self, step: Step, sampled: dict[int, int | list[int]]) -> list[Sequence]:
+    def apply(
+        self,
+        step: Step,
+        sampled: dict[int, int | list[int]],
+        drafted: dict[int, list[int]] | None = None,
+    ) -> list[Sequence]:
         """Record a step's outcome: seq_id -> its sampled token (a verification row: its draws,
-        in position order). Steps are applied in the order they were scheduled. Returns the
-        sequences that got tokens (`new_tokens` of them), with finish_reason set on those that
-        are done."""
+        in position order), and the draft proposals the ranks made after them. Steps are
+        applied in the order they were scheduled. Returns the sequences that got tokens
+        (`new_tokens` of them), with finish_reason set on those that are done."""
         updated = []
         for c in step.sampling_chunks:
             seq = c.seq
@@ -498,6 +532,9 @@ class Scheduler:
                 if reason:
                     break
             seq.new_tokens = n
+            if c.draft:
+                seq.spec.awaiting_draft = False
+                seq.spec.drafted = list((drafted or {}).get(seq.seq_id, ()))
             self._register(seq, self._next_step_id - 1)  # planned by a step already sent
             if reason:
                 self._finish(seq, reason)
@@ -536,5 +573,6 @@ class Scheduler:
 
 
 def _unindexed(seq: Sequence) -> list[int]:
-    """seq's known tokens that its n-gram index has not been given yet."""
-    return seq.tokens(len(seq.spec.index.tokens), seq.num_tokens)
+    """seq's known tokens that its n-gram index has not been given yet (none: no index)."""
+    index = seq.spec.index
+    return seq.tokens(len(index.tokens), seq.num_tokens) if index is not None else []

@@ -9,9 +9,15 @@ rejection-sampling rule for a point-mass draft (kept with probability p(token); 
 rejection the draw follows p without that token): the output is token for token the one
 without speculation, greedy or seeded.
 
-The proposer boundary is `propose(seq, k) -> tokens`. The n-gram proposer below (prompt lookup)
-needs no model; a draft model or an EAGLE-style head would propose from the ranks instead, and
-the verification row and the acceptance stay as they are.
+The proposer boundary is `propose(seq, k) -> tokens`. Two proposers:
+- "ngram" (prompt lookup, below): no model; the continuation of the latest earlier match of the
+  sequence's last few tokens.
+- "draft": a second, smaller package with the same tokenizer, run whole by every rank
+  (ranks/drafting.py). A row planned with `draft` tokens asks the ranks to propose that many
+  greedy draft tokens after its last draw; they come back with the row's samples and are the
+  sequence's next proposals (`SpecState.drafted`). Greedy draft tokens are point masses too, so
+  the acceptance above holds unchanged. An EAGLE-style head would propose the same way, from
+  the ranks: the verification row and the acceptance do not change.
 
 How many to propose (`SpecState`) follows each sequence's own acceptance (its output never
 depends on it): all kept -> one more next time (up to the maximum),
@@ -26,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft")
 MISSES_TO_PAUSE = 4
 MAX_PAUSE_TOKENS = 256
 
@@ -122,12 +128,21 @@ class SpecState:
     misses: int = 0  # verifications in a row that kept nothing (or proposed nothing)
     pause: int = 0  # tokens left to decode without proposals
     pauses: int = 0  # pauses so far in a row: each is twice as long as the one before
-    index: NgramIndex | None = None
+    index: NgramIndex | None = None  # the n-gram proposer's
+    # The draft proposer's: the ranks' proposals after the sequence's last known token, and
+    # whether a row in flight asked for more (the sequence then waits for them).
+    drafted: list[int] = field(default_factory=list)
+    awaiting_draft: bool = False
 
     def __post_init__(self) -> None:
         self.k = self.config.num_tokens
         c = self.config
-        self.index = NgramIndex(range(c.ngram_min, c.ngram_max + 1))
+        if c.method == "ngram":
+            self.index = NgramIndex(range(c.ngram_min, c.ngram_max + 1))
+
+    @property
+    def drafts(self) -> bool:
+        return self.config.method == "draft"
 
     @property
     def active(self) -> bool:
@@ -138,13 +153,18 @@ class SpecState:
         """Given the sequence's known tokens since the last call, whether its next decode, once
         the token being drawn now is known, could have proposals: when not, it is planned
         ahead like any other rather than waiting for that token."""
+        if self.drafts:
+            return self.awaiting_draft
         self.index.extend(new_tokens)
         return self.index.may_follow()
 
     def propose(self, new_tokens: list[int], limit: int) -> list[int]:
         """At most min(k, limit) proposals to follow the sequence, given its tokens since the
         last call; finding none counts as a miss."""
-        found = self.index.propose(new_tokens, min(self.k, limit)) if limit > 0 else []
+        if self.drafts:
+            found, self.drafted = self.drafted[: min(self.k, limit)], []
+        else:
+            found = self.index.propose(new_tokens, min(self.k, limit)) if limit > 0 else []
         if not found and limit > 0:
             self._missed()
         return found

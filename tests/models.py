@@ -61,15 +61,16 @@ def save_tokenizer(out: Path) -> None:
     tok.save_pretrained(str(out))
 
 
-def make_tiny_checkpoint(family: str, out: Path, tokenizer_dir: Path) -> Path:
-    """A random `family` model with the SmolLM2 tokenizer's vocabulary, saved to out."""
+def make_tiny_checkpoint(family: str, out: Path, tokenizer_dir: Path, seed: int = 1234) -> Path:
+    """A random `family` model with the SmolLM2 tokenizer's vocabulary, saved to out; another
+    seed gives other weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     config = _tiny_configs()[family]
     config.vocab_size = len(tok)
     config.bos_token_id, config.eos_token_id = tok.bos_token_id, tok.eos_token_id
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # random biases and norms, so the packaging of each is exercised
         for name, p in model.named_parameters():

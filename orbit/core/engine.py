@@ -450,8 +450,9 @@ class Engine:
         for s in result.samples:
             if s.error:
                 self._sample_failed(s)
+        drafted = {s.seq_id: s.proposals for s in result.samples if s.proposals}
         owners, by_sink = self._owners, {}
-        for seq in self.scheduler.apply(step, tokens):
+        for seq in self.scheduler.apply(step, tokens, drafted):
             owner = owners.get(seq.seq_id)
             if owner is None:
                 continue
@@ -518,6 +519,7 @@ def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
             sample=c.sample,
             follows_sample=c.follows_sample,
             num_samples=c.num_samples if c.verifies else 0,
+            draft_tokens=c.draft,
         )
         if not c.follows_sample
         else None
@@ -527,7 +529,7 @@ def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:
     if step is None:  # a decode row: nothing in it can be out of range
         plan.seqs.add(
             seq_id=c.seq.seq_id, start_pos=c.start_pos, new_pages=c.new_pages,
-            sample=c.sample, follows_sample=True,
+            sample=c.sample, follows_sample=True, draft_tokens=c.draft,
         )  # fmt: skip
     else:
         plan.seqs.append(step)

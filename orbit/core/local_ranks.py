@@ -23,6 +23,7 @@ class LocalRankOptions:
     threads: int = 0  # torch threads per CPU rank; 0: default_rank_threads()
     log_level: str = "warning"  # the ranks' logging level
     trusted_keys: tuple[Path, ...] = ()  # passed on: ranks refuse packages not signed by one
+    draft_package: Path | None = None  # rank 0 drafts with it (orbit serve --draft)
 
 
 # Cores left to the engine core and the API servers (tokenizing, detokenizing, SSE) when the
@@ -100,6 +101,8 @@ class LocalRanks:
             ]
             for key in self.opts.trusted_keys:
                 cmd += ["--trusted-key", str(Path(key).resolve())]
+            if self.opts.draft_package is not None and rank == 0:
+                cmd += ["--draft-package", str(Path(self.opts.draft_package).resolve())]
             # Every listener of the ranks (gloo's pairs, NCCL's bootstrap) stays on loopback.
             env = dict(
                 os.environ,
