@@ -29,6 +29,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=64, help="the package's largest decode batch")
+    p.add_argument("--hidden-size", type=int, default=0, help="0: the 8B's (a draft: smaller)")
+    p.add_argument("--intermediate-size", type=int, default=0, help="0: the 8B's")
+    p.add_argument("--heads", type=int, default=0, help="query heads; 0: the 8B's")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -38,8 +41,14 @@ def main(argv=None) -> int:
     ckpt = args.out.with_name(args.out.name + ".checkpoint")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
+    config = hf_config(args.layers)
+    if args.hidden_size:  # the 8B's vocabulary and KV heads, narrower: a draft for it
+        config.hidden_size = args.hidden_size
+        config.intermediate_size = args.intermediate_size or 4 * args.hidden_size
+        config.num_attention_heads = args.heads or config.num_attention_heads
+        config.head_dim = args.hidden_size // config.num_attention_heads
     with torch.device(device):
-        model = LlamaForCausalLM(hf_config(args.layers)).to(torch.bfloat16)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
     for name, param in model.named_parameters():  # small weights keep activations finite
         if "norm" not in name:
             param.data.normal_(0.0, 0.02)

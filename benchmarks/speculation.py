@@ -13,6 +13,13 @@
 - `batch`: the same engine over a package, --users concurrent streams of random 512-token
   prompts and 256 new tokens (EOS ignored), off/on/off/on: output tokens/s (adaptive k must keep
   speculation from costing throughput when proposals fail).
+- `draft`: --package at batch 1 with rank 0 drafting from --draft (a small random model with
+  its tokenizer): greedy decode of --new-tokens after a --prompt-tokens prompt, speculation off
+  and then the draft proposer with k = 1, 2, 4 fixed (no adaptation, no pauses: every step
+  verifies), twice; tokens/s, wall time per step, acceptance. A random draft's proposals are
+  all but always rejected, so each step yields one token and its time over the plain step's is
+  the end-to-end cost of a rejected round of k proposals; from it, the acceptance rate per
+  proposal at which the draft breaks even.
 - `schedule`: the scheduler alone on the CPU (no ranks): --users sequences of
   --prompt-tokens random tokens and --new-tokens random draws, two steps in flight, speculation
   off then on: milliseconds of `schedule()` and `apply()` per step, the engine core's share
@@ -21,6 +28,7 @@
     python3 -m benchmarks.speculation verify --out DIR
     python3 -m benchmarks.speculation copy --package PKG --device cuda --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
+    python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
     python3 -m benchmarks.speculation schedule --users 128
 """
 
@@ -240,6 +248,55 @@ async def batch_part(args) -> dict:
     return report
 
 
+def break_even(cost: float, k: int) -> float:
+    """The acceptance rate a per proposal at which k proposals pay: the tokens a round yields,
+    (1 - a^(k+1)) / (1 - a), equal `cost` (the round's time over a plain step's)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        a = (lo + hi) / 2
+        if sum(a**i for i in range(k + 1)) < cost:
+            lo = a
+        else:
+            hi = a
+    return round(lo, 3)
+
+
+async def draft_part(args) -> dict:
+    pkg = open_package(args.package)
+    report: dict = {"draft": str(args.draft), "runs": []}
+    async with local_ranks(pkg, args.device, args.kv_pages, draft=args.draft) as link:
+        for round_ in range(2):
+            for k in (0, 1, 2, 4):
+                spec = SpeculationConfig("draft", num_tokens=k, adaptive=False) if k else None
+                config = replace(engine_config(pkg, overlap=True), speculation=spec)
+                async with running_engine(config, link) as engine:
+                    await generate(engine, prompt(pkg, 64, salt=10**6), 8, True)  # warm-up
+                    ids = prompt(pkg, args.prompt_tokens, salt=100 * round_ + k)
+                    steps, t0 = engine.steps, time.perf_counter()
+                    out = await generate(engine, ids, args.new_tokens, True)
+                    elapsed = time.perf_counter() - t0
+                    run = {"k": k, "round": round_, "tokens_per_s": round(len(out) / elapsed, 1)}
+                    run.update(step_stats(engine, steps, elapsed))
+                    if spec:
+                        run["spec"] = spec_metrics(engine)
+                    report["runs"].append(run)
+                    print(json.dumps(run), flush=True)
+    warm = [r for r in report["runs"] if r["round"] == 1]
+    plain = next(r for r in warm if r["k"] == 0)
+    for r in warm:
+        if r["k"]:
+            # per token: a rejected round yields one token, an accepted proposal one more
+            cost = (
+                plain["tokens_per_s"]
+                / r["tokens_per_s"]
+                * (r["spec"]["mean_acceptance_length"] or 1.0)
+            )
+            report[f"k{r['k']}_round_over_plain_step"] = round(cost, 3)
+            report[f"k{r['k']}_break_even_acceptance"] = break_even(cost, r["k"])
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}), flush=True)
+    return report
+
+
 def schedule_part(args) -> dict:
     from runtime.sampling import SamplingParams
     from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
@@ -317,8 +374,9 @@ def verify_part(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("part", choices=["verify", "copy", "batch", "schedule"])
+    p.add_argument("part", choices=["verify", "copy", "batch", "draft", "schedule"])
     p.add_argument("--package", type=Path)
+    p.add_argument("--draft", type=Path, help="draft: the draft package")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--kv-pages", type=int, default=0, help="per rank; 0 sizes from memory")
     p.add_argument("--spec-tokens", type=int, default=4)
@@ -336,7 +394,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if args.package is None:
             p.error(f"{args.part} needs --package")
-        report = asyncio.run(copy_part(args) if args.part == "copy" else batch_part(args))
+        parts = {"copy": copy_part, "batch": batch_part, "draft": draft_part}
+        report = asyncio.run(parts[args.part](args))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"speculation_{args.part}.json").write_text(json.dumps(report, indent=2))

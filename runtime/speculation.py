@@ -43,6 +43,9 @@ class SpeculationConfig:
     num_tokens: int = 4  # the most proposals in one verification row
     ngram_max: int = 4  # the longest suffix the n-gram proposer looks up
     ngram_min: int = 2  # the shortest
+    # Adapt k to each sequence's acceptance and pause after fruitless verifications; off (k
+    # fixed, never a pause) only for benchmarks that time verification rounds.
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -170,6 +173,8 @@ class SpecState:
         return found
 
     def verified(self, proposed: int, kept: int) -> None:
+        if not self.config.adaptive:
+            return
         if kept == proposed:
             self.k = min(self.k + 1, self.config.num_tokens)
         if kept:
@@ -183,6 +188,8 @@ class SpecState:
         self.pause = max(self.pause - num_tokens, 0)
 
     def _missed(self) -> None:
+        if not self.config.adaptive:
+            return
         self.misses += 1
         # after a pause that nothing kept ended, one more miss starts the next
         if self.misses >= (MISSES_TO_PAUSE if self.pauses == 0 else 1):

@@ -115,17 +115,20 @@ def _gpu_against_cpu(
     return _serve_and_compare(packages, report, name, extra, tie_gap)[0]
 
 
-def _serve_and_compare(packages, report, name, extra, tie_gap) -> tuple[int, int]:
-    """_gpu_against_cpu's work; returns (prompts agreeing completely, the GPU's KV pages)."""
+def _serve_and_compare(
+    packages, report, name, extra, tie_gap, gpu_extra: tuple[str, ...] = ()
+) -> tuple[int, dict]:
+    """_gpu_against_cpu's work (gpu_extra: flags for the GPU server alone); returns (prompts
+    agreeing completely, the GPU server's /metrics)."""
     name_args = ("--model-name", MODEL, *extra)
     with ServerProcess(
         packages["float32"], "--device", "cpu", "--kv-pages", "256", *name_args
     ) as cpu:
         reference = [_greedy(cpu, p) for p in PROMPTS]
-    with ServerProcess(packages["bfloat16"], "--device", "cuda", *name_args) as gpu:
+    with ServerProcess(packages["bfloat16"], "--device", "cuda", *name_args, *gpu_extra) as gpu:
         got = [_greedy(gpu, p) for p in PROMPTS]
         streamed = _streamed(gpu, PROMPTS[0])
-        pages = int(gpu.metrics()["orbit_kv_pages_total"])
+        metrics = gpu.metrics()
     assert streamed == got[0][0]
     full_matches = 0
     for (ref_text, ref_tokens, ref_top), (text, tokens, _) in zip(reference, got):
@@ -138,7 +141,7 @@ def _serve_and_compare(packages, report, name, extra, tie_gap) -> tuple[int, int
         best = sorted(ref_top[same].values(), reverse=True)
         gap = best[0] - best[1] if len(best) > 1 else 0.0  # two ids with one text: a tie
         assert gap <= tie_gap, f"diverged at token {same} without a near-tie (gap {gap:.3f})"
-    return full_matches, pages
+    return full_matches, metrics
 
 
 def test_greedy_text_on_gpu_matches_cpu_reference(packages, report):
@@ -159,10 +162,26 @@ def test_fp8_kv_pages_on_gpu_match_cpu_reference(packages, report):
     the first prompt is a 0.014 tie that its float32 pages win by 0.157, and a rounding like
     the GPU's by 0.116)."""
     fp8 = ("--kv-dtype", "fp8")
-    _, fp8_pages = _serve_and_compare(
-        packages, report, "serve_cuda_fp8_kv_vs_cpu", fp8, 3 * TIE_GAP
-    )
+    _, metrics = _serve_and_compare(packages, report, "serve_cuda_fp8_kv_vs_cpu", fp8, 3 * TIE_GAP)
+    fp8_pages = int(metrics["orbit_kv_pages_total"])
     with ServerProcess(packages["bfloat16"], "--device", "cuda", "--kv-dtype", "model") as gpu:
         model_pages = int(gpu.metrics()["orbit_kv_pages_total"])
     report("serve_cuda_fp8_kv_pages", fp8=fp8_pages, model=model_pages)
     assert fp8_pages >= 1.9 * model_pages
+
+
+def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
+    """`--speculate draft` on the GPU, the bf16 package drafting for itself (rank 0's second
+    CudaGraphRunner, with its own KV pool and graphs, proposing after each verification):
+    greedy text against the CPU reference without speculation, near-ties as above, and the
+    proposals are mostly kept (its greedy tokens are the served model's but for bf16
+    rounding of other shapes)."""
+    draft = ("--speculate", "draft", "--draft", str(packages["bfloat16"]))
+    matches, metrics = _serve_and_compare(
+        packages, report, "serve_cuda_draft_vs_cpu", (), TIE_GAP, gpu_extra=draft
+    )
+    proposed = metrics["orbit_spec_proposed_tokens_total"]
+    kept = metrics["orbit_spec_accepted_tokens_total"]
+    report("serve_cuda_draft_acceptance", proposed=proposed, kept=kept)
+    assert matches >= 1
+    assert kept > 0.5 * proposed > 0
