@@ -173,12 +173,16 @@ def test_fp8_kv_pages_on_gpu_match_cpu_reference(packages, report):
 def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
     """`--speculate draft` on the GPU, the bf16 package drafting for itself (rank 0's second
     CudaGraphRunner, with its own KV pool and graphs, proposing after each verification):
-    greedy text against the CPU reference without speculation, near-ties as above, and the
-    proposals are mostly kept (its greedy tokens are the served model's but for bf16
-    rounding of other shapes)."""
+    greedy text against the CPU reference without speculation, and the proposals are mostly
+    kept (its greedy tokens are the served model's but for bf16 rounding of other shapes).
+    Near-ties are taken twice as wide as above: a verification row's logits come from the
+    token-bucket graph (cuBLAS products over 16 rows, FlashInfer's prefill attention) where a
+    one-token step's come from the one-row GEMV and decode attention, so each output token is
+    rounded along one path or the other (measured: a 0.085 gap decided differently at the
+    17th token of one prompt, 2026-12-04)."""
     draft = ("--speculate", "draft", "--draft", str(packages["bfloat16"]))
     matches, metrics = _serve_and_compare(
-        packages, report, "serve_cuda_draft_vs_cpu", (), TIE_GAP, gpu_extra=draft
+        packages, report, "serve_cuda_draft_vs_cpu", (), 2 * TIE_GAP, gpu_extra=draft
     )
     proposed = metrics["orbit_spec_proposed_tokens_total"]
     kept = metrics["orbit_spec_accepted_tokens_total"]
