@@ -178,14 +178,15 @@ def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
     Near-ties are taken twice as wide as above: a verification row's logits come from the
     token-bucket graph (cuBLAS products over 16 rows, FlashInfer's prefill attention) where a
     one-token step's come from the one-row GEMV and decode attention, so each output token is
-    rounded along one path or the other (measured: a 0.085 gap decided differently at the
-    17th token of one prompt, 2026-12-04)."""
+    rounded along one path or the other (measured on the H200, 2026-12-04: a 0.085 gap
+    decided differently at the 17th token of one prompt). For the same reason no prompt need
+    agree to the end (there: 19, 9 and 17 of 24 tokens, each divergence at a near-tie); the
+    near-tie bound holds at every divergence."""
     draft = ("--speculate", "draft", "--draft", str(packages["bfloat16"]))
-    matches, metrics = _serve_and_compare(
+    _, metrics = _serve_and_compare(
         packages, report, "serve_cuda_draft_vs_cpu", (), 2 * TIE_GAP, gpu_extra=draft
     )
     proposed = metrics["orbit_spec_proposed_tokens_total"]
     kept = metrics["orbit_spec_accepted_tokens_total"]
     report("serve_cuda_draft_acceptance", proposed=proposed, kept=kept)
-    assert matches >= 1
-    assert kept > 0.5 * proposed > 0
+    assert kept > 0.5 * proposed > 0  # measured there: 71 of 78
