@@ -12,7 +12,8 @@
   identical.
 - `batch`: the same engine over a package, --users concurrent streams of random 512-token
   prompts and 256 new tokens (EOS ignored), off/on/off/on: output tokens/s (adaptive k must keep
-  speculation from costing throughput when proposals fail).
+  speculation from costing throughput when proposals fail); n-gram proposals, or the draft
+  proposer with --draft.
 - `draft`: --package at batch 1 with rank 0 drafting from --draft (a small random model with
   its tokenizer): greedy decode of --new-tokens after a --prompt-tokens prompt, speculation off
   and then the draft proposer with k = 1, 2, 4 fixed (no adaptation, no pauses: every step
@@ -215,11 +216,13 @@ async def batch_part(args) -> dict:
         async with gate:
             return len(await generate(engine, ids, args.new_tokens, True))
 
-    async with local_ranks(pkg, args.device, args.kv_pages) as link:
+    method = "draft" if args.draft else "ngram"
+    report["method"] = method
+    async with local_ranks(pkg, args.device, args.kv_pages, draft=args.draft) as link:
         salt = 0
         for _ in range(2):
-            for spec in (None, SpeculationConfig(num_tokens=args.spec_tokens)):
-                key = "ngram" if spec else "off"
+            for spec in (None, SpeculationConfig(method, num_tokens=args.spec_tokens)):
+                key = "on" if spec else "off"
                 config = replace(engine_config(pkg, overlap=True), speculation=spec)
                 async with running_engine(config, link) as engine:
                     await generate(engine, prompt(pkg, 64, salt=10**6), 8, True)  # warm-up
@@ -242,7 +245,7 @@ async def batch_part(args) -> dict:
                         report.setdefault("spec", []).append(spec_metrics(engine))
                     print(key, rate, report.get("spec", [""])[-1] if spec else "", flush=True)
     report["on_over_off"] = round(
-        statistics.mean(report["ngram"]) / statistics.mean(report["off"]), 3
+        statistics.mean(report["on"]) / statistics.mean(report["off"]), 3
     )
     print(json.dumps({"batch_on_over_off": report["on_over_off"]}), flush=True)
     return report

@@ -360,6 +360,13 @@ class CudaGraphRunner:
             raise RuntimeError("CudaGraphRunner.step before capture(); call capture() first.")
         if all(len(s.token_ids) == 1 for s in seqs):
             return self._decode_step(seqs)
+        rows = _decode_rows(seqs)
+        if rows is not None and len(rows) <= self.buckets[-1]:
+            # Verification rows as one-token rows of their sequences: every row's KV is
+            # written before any row attends, which FlashInfer's decode graph does (RoPE + KV
+            # write, then attention) and the fused kernel does not (a program reads the
+            # context other programs of the same launch write).
+            return self._decode_step(rows, fused=False)
         return self._prefill_step(seqs)
 
     @torch.inference_mode()
@@ -368,7 +375,7 @@ class CudaGraphRunner:
         tests' uncaptured counterpart of the graphs."""
         return self._prefill_forward(seqs, self._prefill)
 
-    def _decode_step(self, seqs: list[SeqInput]) -> torch.Tensor:
+    def _decode_step(self, seqs: list[SeqInput], fused: bool = True) -> torch.Tensor:
         if not seqs:
             raise BucketError("a step needs at least one sequence.")
         bucket = next((b for b in self.buckets if b >= len(seqs)), None)
@@ -378,7 +385,7 @@ class CudaGraphRunner:
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
         longest = max(s.start_pos + 1 for s in seqs)
-        if bucket in self._fused and longest <= self.options.fused_decode_max_context:
+        if fused and bucket in self._fused and longest <= self.options.fused_decode_max_context:
             self._plan_decode(seqs, bucket, self._fused[bucket])
             self._fused_graphs[bucket].replay()
         else:
@@ -550,3 +557,22 @@ class CudaGraphRunner:
                 f"({num_pages} pages of {self.page_size})."
             )
         return num_pages
+
+
+def _decode_rows(seqs: list[SeqInput]) -> list[SeqInput] | None:
+    """A step of decode and verification rows as one-token rows (a verification row of m
+    tokens: m rows of its sequence at consecutive positions, each sampling, in order, which is
+    the order of its logits); None when a row is a prompt chunk."""
+    rows = []
+    for s in seqs:
+        n = len(s.token_ids)
+        if n == 1:
+            rows.append(s)
+        elif s.sample and s.num_samples == n and s.fed_row < 0:
+            rows += [
+                SeqInput([t], s.start_pos + j, s.page_table, True)
+                for j, t in enumerate(s.token_ids)
+            ]
+        else:
+            return None
+    return rows
