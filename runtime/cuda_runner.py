@@ -32,6 +32,12 @@ sequence's cache; every kernel works row by row (GEMMs, norms, attention), so pa
 cannot change a real row's result. A decode batch larger than the largest bucket raises
 BucketError: it is never run eagerly in silence.
 
+A step of decode rows and verification rows (speculative decoding: a row of m tokens that
+samples after each) runs as a decode step too, each verification row as m one-token rows of
+its sequence at consecutive positions (its tokens' KV written before any row attends), through
+FlashInfer's decode graph of the bucket, since Orbit's fused kernel would read context that
+other programs of the same launch write.
+
 Any other step (prefill chunks, or a mix of prefill chunks and decode rows) is padded to the
 smallest token bucket that holds its tokens and replayed from that bucket's graph: padding
 rows (token 0, position 0, KV into the padding page) belong to no sequence, and the graph's
