@@ -56,6 +56,14 @@ from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
 from runtime.speculation import SpecState, SpeculationConfig
 
+# The draft proposer's gate: when the draft's proposals are kept less often than this (an
+# average over its recent verification rows), no sequence asks for drafts for a while. On the
+# H200 a rejected round costs 1.7-2x a plain step (docs/performance.md), so below this rate no
+# k pays: a round of k proposals then yields at most 1.43 tokens.
+DRAFT_MIN_RATE = 0.3
+DRAFT_RATE_ROWS = 16  # rows the average spans (weight 1/16), and rows before it is trusted
+DRAFT_PAUSE_STEPS = (64, 4096)  # the gate's first and longest pause, doubling in between
+
 
 class Status(Enum):
     WAITING = "waiting"
@@ -186,6 +194,10 @@ class Scheduler:
         # For /metrics: proposal tokens sent (chained rows' guesses too) and kept, verification
         # rows applied, and the tokens those rows gave.
         self.spec_proposed = self.spec_kept = self.spec_verifications = self.spec_tokens = 0
+        # The draft proposer's recent acceptance, and the step before which no sequence asks
+        # for drafts (DRAFT_MIN_RATE).
+        self.draft_rate, self._draft_rows = DRAFT_MIN_RATE, 0  # (the first rows decide)
+        self.draft_gate_until, self._draft_pause = 0, 0
         # Pages granted to a sequence since the ranks last saw it: sent as its new_pages.
         self._pending_pages: dict[int, int] = {}
 
@@ -390,6 +402,8 @@ class Scheduler:
         spec = seq.spec
         if spec is None or not spec.drafts or not spec.active or not chunk.sample:
             return
+        if self._next_step_id <= self.draft_gate_until:
+            return
         end = chunk.start_pos + chunk.num_tokens  # the row's draw lands here
         k = min(
             spec.k,
@@ -568,12 +582,27 @@ class Scheduler:
                 seq.pending -= 1
                 self.spec_proposed += 1 + len(chained.proposals)
         seq.spec.verified(len(proposals), kept)
+        if seq.spec.drafts and proposals:
+            self._draft_verified(kept / len(proposals))
         guessed = c.guess is not None  # its guess proved right, or it would be void
         self.spec_proposed += len(proposals) + guessed
         self.spec_kept += kept + guessed
         self.spec_verifications += 1
         self.spec_tokens += kept + 1
         return drawn[: kept + 1]
+
+    def _draft_verified(self, rate: float) -> None:
+        """Average the draft's acceptance; below DRAFT_MIN_RATE, close the gate for the next
+        pause (twice the last, reset once the rate is good), then trust a few fresh rows."""
+        self.draft_rate += (rate - self.draft_rate) / DRAFT_RATE_ROWS
+        self._draft_rows += 1
+        if self.draft_rate >= DRAFT_MIN_RATE:
+            self._draft_pause = 0
+        elif self._draft_rows >= DRAFT_RATE_ROWS:
+            first, longest = DRAFT_PAUSE_STEPS
+            self._draft_pause = min(max(2 * self._draft_pause, first), longest)
+            self.draft_gate_until = self._next_step_id + self._draft_pause
+            self._draft_rows = DRAFT_RATE_ROWS - 4  # after the pause, four rows decide again
 
 
 def _unindexed(seq: Sequence) -> list[int]:

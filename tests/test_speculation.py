@@ -74,12 +74,18 @@ def _context_model(rank: RankModel):
     def draw(seq: Sequence, position: int) -> int:
         ctx = rank.read(seq.seq_id, position)
         assert None not in ctx, "a draw read KV that was never written"
-        h = (sum(ctx[-5:]) * 2654435761 + position) % 97
-        if position < 6 or h < 12:
-            return 200 + h
-        return ctx[-6]
+        return _next_token(ctx)
 
     return draw
+
+
+def _next_token(ctx: list[int]) -> int:
+    """The context model's token after ctx (the tokens at every earlier position)."""
+    position = len(ctx)
+    h = (sum(ctx[-5:]) * 2654435761 + position) % 97
+    if position < 6 or h < 12:
+        return 200 + h
+    return ctx[-6]
 
 
 def _run(spec, prompts, max_tokens, depth=2, stop=frozenset(), **kw):
@@ -252,3 +258,78 @@ def test_the_scheduler_benchmark_compares_both_modes():
     for mode in ("off", "ngram"):
         assert report[mode]["steps"] >= 24 and report[mode]["schedule_ms_per_step"] > 0
     assert report["off"]["verifications"] == 0
+
+
+def _run_draft(prompts, max_tokens, propose):
+    """The scheduler with the draft proposer over the context model: propose(tokens, k) gives
+    the draft tokens after a row's known tokens (what rank 0 would send back). Returns
+    (outputs, scheduler, number of rows that asked for drafts)."""
+    spec = SpeculationConfig("draft", num_tokens=4)
+    sched = Scheduler(_config(spec, max_batch=32, num_pages=256))
+    rank = RankModel(sched.config.page_size)
+    draw = _context_model(rank)
+    seqs = [
+        Sequence(i + 1, list(p), m, SamplingParams())
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    for s in seqs:
+        sched.add(s)
+    asked, in_flight = 0, []
+    while sched.has_work or in_flight:
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            asking = [c for c in step.chunks if c.draft]
+            asked += len(asking)
+            in_flight.append((step, rank.run(step, draw), asking))
+            continue
+        step, sampled, asking = in_flight.pop(0)
+        drafted = {c.seq.seq_id: propose(_known_after(c, sampled), c.draft) for c in asking}
+        sched.apply(step, sampled, drafted)
+        rank.check_tokens(sched)
+    return [s.output_ids for s in seqs], sched, asked
+
+
+def _known_after(c, sampled) -> list[int]:
+    """The tokens of c's sequence once c's draws are applied: what rank 0 drafts after."""
+    seq, drawn = c.seq, sampled[c.seq.seq_id]
+    kept = 0
+    if c.proposals:
+        while kept < len(c.proposals) and c.proposals[kept] == drawn[kept]:
+            kept += 1
+        new = c.proposals[:kept] + [drawn[kept]]
+    else:
+        new = [drawn]
+    return seq.tokens(0, seq.num_tokens) + new
+
+
+def _perfect_draft(tokens: list[int], k: int) -> list[int]:
+    out = []
+    for _ in range(k):
+        out.append(_next_token(tokens + out))
+    return out
+
+
+def test_a_draft_that_keeps_failing_is_gated_for_every_sequence():
+    """Proposals that are never kept: outputs as without speculation; each sequence alone would
+    try MISSES_TO_PAUSE times before its first pause, but once the draft's average acceptance
+    is below DRAFT_MIN_RATE no sequence asks for a while, then a few rows probe again."""
+    from runtime.scheduler import DRAFT_RATE_ROWS
+
+    prompts, max_tokens = _prompts(24, seed=5), [80] * 24
+    without, _, _ = _run(None, prompts, max_tokens, max_batch=32, num_pages=256)
+    outputs, sched, asked = _run_draft(prompts, max_tokens, lambda tokens, k: [999] * k)
+    assert outputs == [out for out, _ in without]
+    assert sched.spec_kept == 0 and sched.spec_verifications >= DRAFT_RATE_ROWS
+    assert sched.draft_gate_until > 0  # the gate closed, and reopened to probe
+    assert asked < len(prompts) * MISSES_TO_PAUSE
+
+
+def test_a_draft_that_is_right_is_never_gated():
+    """A draft that proposes what the context model will draw: every proposal is kept, each
+    row brings k + 1 tokens, and the gate stays open."""
+    prompts, max_tokens = _prompts(8, seed=6), [60] * 8
+    without, _, _ = _run(None, prompts, max_tokens, max_batch=32, num_pages=256)
+    outputs, sched, asked = _run_draft(prompts, max_tokens, _perfect_draft)
+    assert outputs == [out for out, _ in without]
+    assert sched.spec_kept == sched.spec_proposed > 0
+    assert sched.draft_gate_until == 0 and asked > 0
