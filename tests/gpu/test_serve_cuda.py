@@ -175,11 +175,12 @@ def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
     CudaGraphRunner, with its own KV pool and graphs, proposing after each verification):
     greedy text against the CPU reference without speculation, and the proposals are mostly
     kept (its greedy tokens are the served model's but for bf16 rounding of other shapes).
-    Near-ties are taken twice as wide as above: a verification row's logits come from the
-    token-bucket graph (cuBLAS products over 16 rows, FlashInfer's prefill attention) where a
-    one-token step's come from the one-row GEMV and decode attention, so each output token is
-    rounded along one path or the other (measured on the H200, 2026-12-04: a 0.085 gap
-    decided differently at the 17th token of one prompt). For the same reason no prompt need
+    Near-ties are taken twice as wide as above: a verification row's logits come from other
+    kernels (cuBLAS products over several rows, FlashInfer's attention) than a one-token
+    step's (the one-row GEMV, Orbit's fused decode attention), so each output token is
+    rounded along one path or the other (measured on the H200, 2026-12-04, when verification
+    rows took the token-bucket graph: a 0.085 gap decided differently at the 17th token of
+    one prompt). For the same reason no prompt need
     agree to the end (there: 19, 9 and 17 of 24 tokens, each divergence at a near-tie); the
     near-tie bound holds at every divergence."""
     draft = ("--speculate", "draft", "--draft", str(packages["bfloat16"]))
