@@ -119,21 +119,28 @@ def main() -> None:
 def _speculation(method: str, num_tokens: int, draft: Path | None, cluster: Path | None):
     from runtime.speculation import SpeculationConfig
 
-    if (method == "draft") != (draft is not None):
+    if draft is not None and cluster is not None:
+        fail(
+            "--draft is for the ranks orbit serve starts; with --cluster the ranks hold the "
+            "draft: pass it to orbit up --draft, and serve with --speculate draft alone."
+        )
+    if cluster is None and (method == "draft") != (draft is not None):
         fail(
             "--speculate draft and --draft PACKAGE go together: pass both, or neither "
             "(--speculate ngram needs no draft)."
         )
-    if draft is not None and cluster is not None:
-        fail("--draft works with ranks orbit serve starts, not yet with --cluster; drop one.")
-    if draft is not None and not (draft / "manifest.pb").is_file():
-        fail(f"--draft {draft}: no Orbit package there; prepare one with orbit prepare --tp 1.")
+    _check_draft_path(draft)
     if method == "off":
         return None
     try:
         return SpeculationConfig(method=method, num_tokens=num_tokens)
     except ValueError as e:
         fail(f"--speculate/--spec-tokens: {e}.")
+
+
+def _check_draft_path(draft: Path | None) -> None:
+    if draft is not None and not (draft / "manifest.pb").is_file():
+        fail(f"--draft {draft}: no Orbit package there; prepare one with orbit prepare --tp 1.")
 
 
 _KV_DTYPE_HELP = (
@@ -510,6 +517,13 @@ def up(
     log_level: Annotated[
         str, typer.Option(help="The ranks' log level: debug, info, warning or error.")
     ] = "warning",
+    draft: Annotated[
+        Path | None,
+        typer.Option(
+            help="A draft package for speculative decoding (orbit serve --cluster ... "
+            "--speculate draft): pushed to rank 0's host, which runs it."
+        ),
+    ] = None,
 ) -> None:
     """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
     are ready."""
@@ -518,6 +532,7 @@ def up(
     from orbit.cluster.up import up as run_up
 
     _check_kv_dtype(kv_dtype)
+    _check_draft_path(draft)
     opts = UpOptions(
         accept_new_host_keys=accept_new_host_keys,
         timeout_s=timeout,
@@ -527,6 +542,7 @@ def up(
         force=force,
         join_timeout_s=join_timeout,
         log_level=_rank_log_level(log_level),
+        draft_package=draft,
     )
     events = RichUpEvents(err)
     result = _run_cluster(lambda: run_up(cluster_toml, opts, events), live=events)

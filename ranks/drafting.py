@@ -24,50 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from runtime.package import Package
 from runtime.runner import SeqInput
 
 log = logging.getLogger("orbit.rank")
-
-
-def check_draft(target: Package, draft: Package) -> None:
-    """Refuse, naming the difference and the fix, a draft package that cannot propose for the
-    served one."""
-
-    def tokenizer_json(pkg: Package) -> str:
-        files = {f.path.rsplit("/", 1)[-1]: f.sha256 for f in pkg.manifest.tokenizer.files}
-        return files.get("tokenizer.json", "")
-
-    t, d = target.capacities, draft.capacities
-    problems = []
-    if draft.tp_size != 1:
-        problems.append(
-            f"it is prepared for TP {draft.tp_size}, but runs whole on rank 0: "
-            "prepare it with --tp 1"
-        )
-    if draft.spec.vocab_size != target.spec.vocab_size:
-        problems.append(
-            f"its vocabulary has {draft.spec.vocab_size} tokens, the served model's "
-            f"{target.spec.vocab_size}: use a draft with the same tokenizer"
-        )
-    elif tokenizer_json(draft) != tokenizer_json(target):
-        problems.append(
-            "its tokenizer.json differs from the served model's: use a draft with the same "
-            "tokenizer"
-        )
-    if d.kv_page_size != t.kv_page_size:
-        problems.append(
-            f"its KV pages hold {d.kv_page_size} tokens, the served model's "
-            f"{t.kv_page_size}: prepare it with --page-size {t.kv_page_size}"
-        )
-    if d.max_seq_len < t.max_seq_len or d.max_batch < t.max_batch:
-        problems.append(
-            f"its capacities (max_seq_len {d.max_seq_len}, max_batch {d.max_batch}) are below "
-            f"the served model's ({t.max_seq_len}, {t.max_batch}): prepare it with "
-            f"--max-seq-len {t.max_seq_len} --max-batch {t.max_batch}"
-        )
-    if problems:
-        raise ValueError(f"the draft package {draft.root} cannot draft: " + "; ".join(problems))
 
 
 @dataclass

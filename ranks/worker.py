@@ -22,7 +22,7 @@ import zmq
 from proto import wire_pb2
 from ranks.collectives import CollectivesCheck, check_collectives, join_check
 from ranks.config import RankConfig
-from ranks.drafting import Drafter, check_draft
+from ranks.drafting import Drafter
 from ranks.startup import Phases, Watchdog
 from ranks.steps import Launched, StepExecutor
 from runtime.curve import ClientKeys, secure_client
@@ -30,7 +30,7 @@ from runtime.grammar import GrammarMasks
 from runtime.kv_cache import KVCache, KVCacheShape, page_dtype
 from runtime.layers import TPGroup
 from runtime.model import build_model
-from runtime.package import Package, open_package
+from runtime.package import Package, check_draft, open_package
 from runtime.runner import ReferenceRunner
 from runtime.sampling import sample
 from runtime.signing import load_public_key
@@ -101,6 +101,7 @@ class Rank:
             device=cfg.device,
             startup_s=phases.elapsed_s(),
             kv_dtype=str(runner.kv.dtype).removeprefix("torch."),
+            draft_digest=draft.digest if draft is not None else "",
         )
         if check is not None:
             self.ready.MergeFrom(wire_pb2.Ready(**dataclasses.asdict(check)))

@@ -217,6 +217,50 @@ def test_serve_cluster_matches_transformers_and_leaves_the_ranks(
     assert all(alive(pid) for pid in pids)  # the ranks belong to the cluster, not to serve
 
 
+def test_up_with_a_draft_serves_draft_speculation(
+    running, hosts, package, tiny_checkpoints, package_cache, tmp_path_factory
+):
+    """`orbit up --draft`: the draft package goes to rank 0's host and rank 0 alone drafts
+    with it; `orbit serve --cluster --speculate draft` then gives transformers' greedy text,
+    with the draft's proposals kept (the draft is the served model itself, at TP 1). Ranks
+    started without a draft refuse --speculate draft at start, naming the fix."""
+    from transformers import AutoTokenizer
+
+    refused = orbit("serve", "--cluster", str(running.path), "--speculate", "draft",
+                    "--port", str(free_port("127.0.0.1")), timeout_s=120)  # fmt: skip
+    assert refused.returncode != 0
+    assert "rank 0 has no draft package" in " ".join((refused.stdout + refused.stderr).split())
+    draft = package_cache(tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=4,
+                          max_step_tokens=32)  # fmt: skip
+    cluster = write_cluster(tmp_path_factory.mktemp("draft"), package, hosts, "draft")
+    try:
+        up_args = ("--timeout", str(UP_TIMEOUT_S), "--kv-pages", "256", "--draft", str(draft))
+        done = orbit("up", str(cluster.path), *up_args)
+        assert done.returncode == 0, done.stderr
+        ranks = sorted(load_state(cluster.path).ranks, key=lambda r: r.rank)
+        cmdlines = [Path(f"/proc/{r.pid}/cmdline").read_bytes().split(b"\0") for r in ranks]
+        assert b"--draft-package" in cmdlines[0] and b"--draft-package" not in cmdlines[1]
+        drafted = cmdlines[0][cmdlines[0].index(b"--draft-package") + 1].decode()
+        assert drafted.startswith(str(cluster.workdirs[0]))  # pushed to rank 0's host
+        tok = AutoTokenizer.from_pretrained(str(package / "tokenizer"))
+        args = ("--cluster", str(cluster.path), "--speculate", "draft")
+        with ServerProcess(package, *args, ready_timeout_s=90, orbit_args=(*STATE_ARGS,)) as server:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            model = client.models.list().data[0].id
+            for prompt in PROMPTS:
+                ids = tok(prompt).input_ids
+                ref = _reference_greedy(tiny_checkpoints["llama"], ids, 16)
+                got = client.completions.create(
+                    model=model, prompt=ids, temperature=0, max_tokens=16
+                )
+                assert got.choices[0].text == tok.decode(ref, skip_special_tokens=True)
+            metrics = server.metrics()
+        assert metrics["orbit_spec_accepted_tokens_total"] > 0
+    finally:
+        asyncio.run(cluster_down(cluster.path, grace_s=10.0))
+    assert rank_processes(cluster.workdirs) == []
+
+
 def test_status_shows_both_ranks_alive(running, hosts):
     state = load_state(running.path)
     done = orbit("status", str(running.path))

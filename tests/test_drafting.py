@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from proto import wire_pb2
-from ranks.drafting import Drafter, check_draft
+from ranks.drafting import Drafter
 from ranks.steps import StepExecutor
-from runtime.package import open_package
+from runtime.package import check_draft, open_package
 from runtime.sampling import sample
 from tests.tp_harness import load_runner
 
@@ -113,3 +113,35 @@ def test_a_draft_that_cannot_propose_is_refused(tiny_checkpoints, package_cache)
     with pytest.raises(ValueError, match="tokenizer.json differs"):
         check_draft(served, other_tokenizer)
     check_draft(served, served)  # itself: nothing to refuse
+
+
+def test_orbit_up_passes_the_draft_to_rank_0_alone():
+    """`orbit up --draft`: rank 0's command line names the pushed draft, and the draft's digest
+    is part of the launch fingerprint (a running cluster without it is restarted, not reused);
+    no draft adds nothing, so clusters brought up before the flag keep their fingerprint."""
+    from orbit.cluster.config import HostConfig, parse_cluster_config
+    from orbit.cluster.launch import rank_launch
+    from orbit.cluster.state import ClusterState, HostRecord
+    from orbit.cluster.up import UpOptions, launch_fingerprint
+    from ranks.config import RankConfig
+
+    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
+    state = ClusterState(
+        "/c.toml", "/pkg", "d", "f", 2, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
+        (host,), (),
+    )  # fmt: skip
+
+    def argv(rank: int, draft_dir: str) -> list[str]:
+        launch = rank_launch(HostConfig("gpu-a"), host, state, rank, 0, 0, 512, draft_dir=draft_dir)
+        return [str(arg) for arg in launch.argv]
+
+    assert RankConfig.from_argv(argv(0, "/w/packages/e")[3:]).draft_package == "/w/packages/e"
+    assert "--draft-package" not in argv(0, "")
+    config = parse_cluster_config('package = "pkg"\n\n[[hosts]]\naddress = "gpu-a"\n')
+
+    class Draft:
+        digest = "e" * 64
+
+    default = launch_fingerprint(config, UpOptions())
+    assert launch_fingerprint(config, UpOptions(), (), None) == default
+    assert launch_fingerprint(config, UpOptions(), (), Draft()) != default

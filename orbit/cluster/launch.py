@@ -78,11 +78,12 @@ def rank_launch(
     host_config: HostConfig, host: HostRecord, state: ClusterState, rank: int, gpu: int,
     kv_pages: int, kv_cache_mb: int, interface: str | None = None, join_timeout_s: float = 120.0,
     num_trusted_keys: int = 0, log_level: str = "warning", kv_dtype: str = "auto",
+    draft_dir: str = "",
 ) -> RankLaunch:  # fmt: skip
     """`interface`: what the preflight chose for collectives (hosts.nccl_interface when set);
     `num_trusted_keys`: public keys pushed beside the CURVE keys, which the rank then requires
     the package to be signed by; `log_level`, `kv_dtype`: the rank's (passed only when not the
-    default)."""
+    default); `draft_dir`: the draft package on the host (rank 0 with orbit up --draft)."""
     flags = {
         # --package and --rank first and together: rank_marker() finds the process by them.
         "--package": host.package_dir,
@@ -101,6 +102,8 @@ def rank_launch(
         flags["--log-level"] = log_level
     if kv_dtype != "auto":
         flags["--kv-dtype"] = kv_dtype
+    if draft_dir:
+        flags["--draft-package"] = draft_dir
     argv = (host_config.python, "-m", "ranks", *(x for kv in flags.items() for x in kv))
     for i in range(num_trusted_keys):
         argv += ("--trusted-key", f"{host.curve_dir}/trusted-{i}.pub")

@@ -74,7 +74,7 @@ from orbit.cluster.state import (
     save_state,
 )
 from runtime.curve import ServerKeys, create_keys
-from runtime.package import Package, open_package
+from runtime.package import Package, check_draft, open_package
 
 __all__ = ["FrontendBindError", "RankStartError", "UpEvents", "UpOptions", "UpResult", "up"]
 
@@ -95,6 +95,7 @@ class UpOptions:
     # Each rank's limit on joining the TP group and on the collectives check (its watchdog).
     join_timeout_s: float = 120.0
     log_level: str = "warning"  # the ranks' logging level (orbit up --log-level)
+    draft_package: Path | None = None  # pushed to rank 0's host, which drafts with it
 
 
 class UpEvents:
@@ -130,13 +131,22 @@ async def up(
     config = load_cluster_config(config_path)
     pkg = open_package(config.package, trusted_keys=trusted_keys(config))
     config.check_tp_size(pkg.tp_size)
+    draft = None
+    if opts.draft_package is not None:
+        draft = open_package(opts.draft_package, trusted_keys=trusted_keys(config))
+        check_draft(pkg, draft)
     _warn_if_unreachable_frontend(config, events)
     with cluster_lock(config_path):
-        return await _up(Path(config_path), config, pkg, opts, events)
+        return await _up(Path(config_path), config, pkg, draft, opts, events)
 
 
 async def _up(
-    config_path: Path, config: ClusterConfig, pkg: Package, opts: UpOptions, events: UpEvents
+    config_path: Path,
+    config: ClusterConfig,
+    pkg: Package,
+    draft: Package | None,
+    opts: UpOptions,
+    events: UpEvents,
 ) -> UpResult:
     connect_timeout_s = min(opts.timeout_s, DEFAULT_CONNECT_TIMEOUT_S)
     async with HostPool(opts.accept_new_host_keys, connect_timeout_s, config.ssh) as pool:
@@ -145,16 +155,21 @@ async def _up(
         events.preflight(report)
         if report.hard and not opts.force:
             raise refusal(report)
-        fingerprint = launch_fingerprint(config, opts, report.interfaces)
+        fingerprint = launch_fingerprint(config, opts, report.interfaces, draft)
         previous = load_state(config_path)
         if previous is not None and await _still_up(pool, previous, pkg.digest, fingerprint):
             return UpResult(previous, already_running=True, replaced=False)
         pushed = await _push_all(conns, config, pkg, events)  # the old ranks serve meanwhile
+        draft_dir = ""
+        if draft is not None:  # rank 0's host alone drafts (ranks/drafting.py)
+            stall_s = config.ssh.stall_timeout_s
+            draft_dir = (await push_package(conns[0], draft.root, config.hosts[0].workdir, [0],
+                                            None, stall_s)).remote_dir  # fmt: skip
         if previous is not None:
             events.note("stopping the ranks of the previous bring-up")
             await stop_cluster(pool, previous, opts.stop_grace_s)
             remove_state(config_path)  # they are gone, whatever happens next
-        launch = _Launch(config, conns, pushed, pkg, fingerprint, report)
+        launch = _Launch(config, conns, pushed, pkg, fingerprint, report, draft_dir)
         state = await _start(config_path, launch, opts, events)
     return UpResult(state, already_running=False, replaced=previous is not None)
 
@@ -179,10 +194,13 @@ def _warn_if_unreachable_frontend(config: ClusterConfig, events: UpEvents) -> No
 
 
 def launch_fingerprint(
-    config: ClusterConfig, opts: UpOptions, interfaces: tuple[str | None, ...] = ()
+    config: ClusterConfig,
+    opts: UpOptions,
+    interfaces: tuple[str | None, ...] = (),
+    draft: Package | None = None,
 ) -> str:
     """A hash of every setting that changes how ranks are started, including the interfaces
-    the preflight chose for collectives."""
+    the preflight chose for collectives and the draft package (its digest)."""
     hosts = [
         [
             h.address,
@@ -202,6 +220,7 @@ def launch_fingerprint(
     # keep their fingerprint.
     extra = [opts.log_level] if opts.log_level != "warning" else []
     extra += [opts.kv_dtype] if opts.kv_dtype != "auto" else []
+    extra += [["draft", draft.digest]] if draft is not None else []
     data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *extra])
     return hashlib.sha256(data.encode()).hexdigest()
 
@@ -238,6 +257,7 @@ class _Launch:
     pkg: Package
     fingerprint: str
     report: PreflightReport
+    draft_dir: str = ""  # the draft package on rank 0's host; "": none
 
 
 async def _ports(launch: _Launch) -> Ports:
@@ -277,7 +297,7 @@ async def _start(
                     enumerate(zip(config.hosts, launch.pushed))),
         ranks=(),
     )  # fmt: skip
-    launches = _launches(config, state, opts, launch.report.interfaces)
+    launches = _launches(config, state, opts, launch.report.interfaces, launch.draft_dir)
     started = [
         Started(_rank_record(config, spec), state.hosts[i], conns[i])
         for i, host_launches in enumerate(launches)
@@ -335,6 +355,7 @@ def _launches(
     state: ClusterState,
     opts: UpOptions,
     interfaces: tuple[str | None, ...],
+    draft_dir: str = "",
 ) -> list[list[RankLaunch]]:
     """Per host, in rank order, how each of its ranks is started."""
     launches: list[list[RankLaunch]] = [[] for _ in config.hosts]
@@ -344,7 +365,7 @@ def _launches(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
             opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
             len(config.trusted_keys) if config.require_signature else 0, opts.log_level,
-            opts.kv_dtype,
+            opts.kv_dtype, draft_dir if p.rank == 0 else "",
         ))  # fmt: skip
     return launches
 

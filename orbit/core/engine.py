@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from orbit.core.rank_link import RankFailure, RankLink
+from orbit.core.rank_link import PackageMismatch, RankFailure, RankLink
 from proto import core_pb2, wire_pb2
 from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
 from runtime.speculation import SpeculationConfig
@@ -299,6 +299,13 @@ class Engine:
             self.link, self._error, self._ready = link, None, False
         await self.link.wait_ready(ready_timeout_s)
         c = self.config
+        drafts = c.speculation is not None and c.speculation.method == "draft"
+        if drafts and not self.link.ranks[0].ready.draft_digest:
+            raise PackageMismatch(
+                "--speculate draft, but rank 0 has no draft package; start the ranks with "
+                "one (orbit up --draft PACKAGE) or serve with --speculate ngram or off",
+                rank=0,
+            )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 num_pages=self.link.num_kv_pages,

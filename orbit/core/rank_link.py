@@ -39,7 +39,8 @@ class RankFailure(Exception):
 
 
 class PackageMismatch(RankFailure):
-    """The ranks run a different package from the one this frontend opened."""
+    """The ranks run a different package from the one this frontend opened, or lack what it
+    needs of them (a draft for --speculate draft)."""
 
 
 @dataclass
