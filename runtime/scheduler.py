@@ -396,9 +396,9 @@ class Scheduler:
     def _ask_draft(self, seq: Sequence, chunk: SeqChunk) -> None:
         """With the draft proposer: have the ranks propose after chunk's last draw, as many as
         seq's next verification could use, with pages (sent with the chunk) for the draft's KV
-        of all but the last. None when pages are short, or when the running sequences fill
-        the batch (a step samples at most max_batch rows, so no proposal would fit): the row
-        goes on alone."""
+        of all but the last. No request while the draft gate is closed, when pages are short,
+        or when the running sequences fill the batch (a step samples at most max_batch rows,
+        so no proposal would fit): the row goes on alone."""
         spec = seq.spec
         if spec is None or not spec.drafts or not spec.active or not chunk.sample:
             return

@@ -12,12 +12,12 @@ without speculation, greedy or seeded.
 The proposer boundary is `propose(seq, k) -> tokens`. Two proposers:
 - "ngram" (prompt lookup, below): no model; the continuation of the latest earlier match of the
   sequence's last few tokens.
-- "draft": a second, smaller package with the same tokenizer, run whole by every rank
-  (ranks/drafting.py). A row planned with `draft` tokens asks the ranks to propose that many
+- "draft": a second, smaller package with the same tokenizer, run whole by rank 0
+  (ranks/drafting.py). A row planned with `draft` tokens asks rank 0 to propose that many
   greedy draft tokens after its last draw; they come back with the row's samples and are the
   sequence's next proposals (`SpecState.drafted`). Greedy draft tokens are point masses too, so
   the acceptance above holds unchanged. An EAGLE-style head would propose the same way, from
-  the ranks: the verification row and the acceptance do not change.
+  rank 0: the verification row and the acceptance do not change.
 
 How many to propose (`SpecState`) follows each sequence's own acceptance (its output never
 depends on it): all kept -> one more next time (up to the maximum),
