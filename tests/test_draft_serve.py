@@ -11,12 +11,11 @@ import asyncio
 import subprocess
 import sys
 
-import openai
 import pytest
 
 from tests.models import make_tiny_checkpoint
 from tests.server import REPO, ServerProcess
-from tests.test_speculation_serve import _permutation_p, _workload
+from tests.test_speculation_serve import _workload, check_same_distribution
 
 CAPS = {"max_batch": 8, "kv_page_size": 4, "max_step_tokens": 32}
 
@@ -66,33 +65,7 @@ def test_sampling_with_a_draft_model_draws_from_the_same_distribution(smollm2_pa
     when the draw makes them, so some are kept and some rejected; the outputs' distribution
     is that without speculation."""
     pkg = package_cache(smollm2_path, 1)
-    prompt = "The fox jumps over the dog. The fox jumps over the dog. The fox jumps over the"
-
-    async def draws(url: str) -> list[str]:
-        client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
-        model = (await client.models.list()).data[0].id
-        texts = []
-        for _ in range(20):
-            r = await client.completions.create(
-                model=model, prompt=prompt, max_tokens=6, temperature=1.0, n=8,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            texts += [c.text for c in r.choices]
-        await client.close()
-        return texts
-
-    with ServerProcess(pkg, "--kv-cache-mb", "128") as off:
-        without = asyncio.run(draws(off.url))
-    args = ("--kv-cache-mb", "128", "--speculate", "draft", "--draft", str(pkg))
-    with ServerProcess(pkg, *args) as on:
-        with_spec = asyncio.run(draws(on.url))
-        metrics = on.metrics()
-    kept = metrics["orbit_spec_accepted_tokens_total"]
-    assert 0 < kept < metrics["orbit_spec_proposed_tokens_total"]  # kept and rejected
-    assert 3 < len(set(without)) < len(without)
-    assert _permutation_p(without, with_spec) > 0.001
-    tails = [[t.split()[-1] if t.split() else "" for t in ts] for ts in (without, with_spec)]
-    assert _permutation_p(*tails) > 0.001
+    check_same_distribution(pkg, ("--speculate", "draft", "--draft", str(pkg)))
 
 
 def _serve_fails(*args: str) -> str:

@@ -140,7 +140,13 @@ def test_sampling_with_speculation_draws_from_the_same_distribution(smollm2_path
     kept, and sometimes not): the outputs' distribution with speculation is that without. A
     broken acceptance rule (keeping proposals the draw did not make) would skew it toward
     repeating the prompt."""
-    pkg = package_cache(smollm2_path, 1)
+    check_same_distribution(package_cache(smollm2_path, 1), ("--speculate", "ngram"))
+
+
+def check_same_distribution(pkg, spec_args: tuple[str, ...]) -> None:
+    """Serve pkg without speculation and then with spec_args; 160 unseeded 6-token draws at
+    temperature 1 after a repeated sentence from each: proposals both kept and rejected, and
+    the two sets of outputs (whole, and their last words) from one distribution."""
     prompt = "The fox jumps over the dog. The fox jumps over the dog. The fox jumps over the"
 
     async def draws(url: str) -> list[str]:
@@ -158,7 +164,7 @@ def test_sampling_with_speculation_draws_from_the_same_distribution(smollm2_path
 
     with ServerProcess(pkg, "--kv-cache-mb", "128") as off:
         without = asyncio.run(draws(off.url))
-    with ServerProcess(pkg, "--kv-cache-mb", "128", "--speculate", "ngram") as on:
+    with ServerProcess(pkg, "--kv-cache-mb", "128", *spec_args) as on:
         with_spec = asyncio.run(draws(on.url))
         metrics = on.metrics()
     kept = metrics["orbit_spec_accepted_tokens_total"]
