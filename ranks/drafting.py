@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runtime.runner import SeqInput
+from runtime.speculation import num_kept
 
 log = logging.getLogger("orbit.rank")
 
@@ -98,9 +99,7 @@ class Drafter:
                 continue
             drawn = draws[r.first_row : r.first_row + r.num_samples]
             proposals = r.token_ids[1:] if r.num_samples > 1 else []
-            kept = 0
-            while kept < len(proposals) and proposals[kept] == drawn[kept]:
-                kept += 1
+            kept = num_kept(proposals, drawn)
             at = r.start_pos + (len(r.token_ids) if r.token_ids is not None else 1)
             at -= len(proposals)
             st.write(at, proposals[:kept] + [drawn[kept]])
@@ -146,7 +145,6 @@ class Drafter:
                 done = take == n
                 inputs.append(SeqInput(st.tokens[at : at + take], st.computed, rows[i].pages, done))
                 st.computed += take
-                st.ahead.clear()
                 budget -= take
                 if done:
                     sampled.append(i)

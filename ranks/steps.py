@@ -171,9 +171,10 @@ class StepExecutor:
                 if state.draft is None:
                     state.draft = self.drafter.start(s.start_pos)
                 known = None if s.follows_sample else token_ids
-                row = DraftRow(state.draft, state.pages, s.start_pos, known, len(rows), m, 0)
-                row.draft = s.draft_tokens if s.sample else 0
-                draft_rows.append(row)
+                asks = s.draft_tokens if s.sample else 0
+                draft_rows.append(
+                    DraftRow(state.draft, state.pages, s.start_pos, known, len(rows), m, asks)
+                )
             end = s.start_pos + len(token_ids)
             for pos in range(end - m + 1, end + 1):
                 rows.append((s.seq_id, state, pos))

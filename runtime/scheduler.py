@@ -54,7 +54,7 @@ from enum import Enum
 
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
-from runtime.speculation import SpecState, SpeculationConfig
+from runtime.speculation import SpecState, SpeculationConfig, num_kept
 
 # The draft proposer's gate: when the draft's proposals are kept less often than this (an
 # average over its recent verification rows), no sequence asks for drafts for a while. On the
@@ -570,9 +570,7 @@ class Scheduler:
         seq, proposals = c.seq, c.proposals
         if seq.verifying and seq.verifying[0] is c:  # (by identity: chunks hold sequences)
             seq.verifying.pop(0)
-        kept = 0
-        while kept < len(proposals) and proposals[kept] == drawn[kept]:
-            kept += 1
+        kept = num_kept(proposals, drawn)
         chained = seq.verifying[0] if seq.verifying else None
         if chained is None or kept < len(proposals) or drawn[kept] != chained.guess:
             seq.num_computed = c.start_pos + 1 + kept

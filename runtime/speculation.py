@@ -37,6 +37,15 @@ MISSES_TO_PAUSE = 4
 MAX_PAUSE_TOKENS = 256
 
 
+def num_kept(proposals, drawn) -> int:
+    """How many proposals a verification keeps: those equal to the draws before them. The
+    frontend (runtime/scheduler.py) and rank 0's drafter (ranks/drafting.py) must agree."""
+    kept = 0
+    while kept < len(proposals) and proposals[kept] == drawn[kept]:
+        kept += 1
+    return kept
+
+
 @dataclass(frozen=True)
 class SpeculationConfig:
     method: str = "ngram"
