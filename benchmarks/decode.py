@@ -72,7 +72,20 @@ def parse_args(argv):
         default=8,
         help="decode buckets attending through Orbit's fused kernel (0: FlashInfer's only)",
     )
+    p.add_argument(
+        "--cublas-few-rows",
+        action="store_true",
+        help="the baseline: products of 2 to 32 rows through cuBLAS, not Orbit's few-rows kernel",
+    )
     return p.parse_args(argv)
+
+
+def use_cublas_for_few_rows() -> None:
+    """Products of more than one row through cuBLAS, as before runtime/cuda_ops.py's few-rows
+    kernel: the same run's baseline for it."""
+    from runtime import cuda_ops
+
+    cuda_ops.HALF_FEW_ROWS = 1
 
 
 # ---- ceilings measured in this run ------------------------------------------------------
@@ -325,6 +338,8 @@ def print_table(result: dict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.cublas_few_rows:
+        use_cublas_for_few_rows()
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

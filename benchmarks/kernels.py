@@ -3,7 +3,7 @@ the decode-sized linear layers (cuBLAS against the copy rate), Orbit's one-row G
 decode attention (FlashInfer's CUDA-core and tensor-core variants), and a layer's whole decode
 attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel.
 
-    python -m benchmarks.kernels --out DIR [--part linear,gemv,attention,decode]
+    python -m benchmarks.kernels --out DIR [--part linear,gemv,few,attention,decode]
 
 Every kernel is timed inside a CUDA graph of many calls (as the decode graph runs them), over
 enough distinct weight / KV copies that nothing is served from the 50 MB L2 cache. Results:
@@ -154,6 +154,49 @@ def bench_gemv(name: str, bw: float) -> dict:
     row["fused_us"] = graph_us(fused * 4)
     row["unfused_us"] = graph_us(unfused * 4)
     row["fused_err"] = err
+    return row
+
+
+# ---- Orbit's few-rows kernel (runtime/triton_kernels.py `few_rows_mm`) -----------------
+
+FEW_SWEEP = [  # (BLOCK_N, BLOCK_K, stages, warps)
+    *((bn, bk, st, 4) for bn in (16, 32, 64) for bk in (128, 256) for st in (3, 4, 6)),
+    (64, 128, 4, 8),
+]
+
+
+def bench_few(name: str, m: int, bw: float) -> dict:
+    """cuBLAS against Orbit's few-rows kernel (W x^T on the tensor cores) over its tile sweep,
+    and the tile runtime/cuda_ops.py picks, for an m-row product of the 8B shape `name`."""
+    from runtime import cuda_ops, triton_kernels
+
+    n, k = LINEARS[name]
+    nbytes = n * k * 2
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        for _ in range(copies_for(nbytes))
+    ]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    ref = F.linear(x, ws[0]).float()
+    row = {"name": name, "m": m, "weight_MB": nbytes / 1e6, "copy_rate_us": nbytes / bw * 1e6}
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    row["picked_tile"] = cuda_ops._few_tile(n, k, m)
+    row["tiles"] = []
+    for tile in FEW_SWEEP:
+        try:
+            triton_kernels.few_rows_mm(x, ws[0], None, y, tile)
+            err = rel_err(y, ref)
+            us = graph_us(
+                [lambda w=w, t=tile: triton_kernels.few_rows_mm(x, w, None, y, t) for w in ws] * 4
+            )
+        except Exception as e:  # a tile that does not compile (shared memory) is skipped
+            print(f"  {name} M={m} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        row["tiles"].append({"tile": tile, "us": us, "err": err})
+    row["best"] = min(row["tiles"], key=lambda t: t["us"])
+    picked = [t for t in row["tiles"] if tuple(t["tile"]) == row["picked_tile"]]
+    row["picked_us"] = picked[0]["us"] if picked else None
     return row
 
 
@@ -318,6 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--part", default="linear,attention")
     p.add_argument("--rows", default="1,2,4,8")
+    p.add_argument("--few-rows", default="2,5,8,16,32,64")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--variants", default=",".join(ATTENTION_VARIANTS))
     args = p.parse_args(argv)
@@ -363,6 +407,20 @@ def main(argv=None) -> int:
                 flush=True,
             )
             save()
+    if "few" in parts:
+        result["few"] = []
+        for m in [int(r) for r in args.few_rows.split(",")]:
+            for name in LINEARS:
+                r = bench_few(name, m, bw)
+                result["few"].append(r)
+                b = r["best"]
+                print(
+                    f"few {name:>8} M={m:>2} copy {r['copy_rate_us']:6.1f} µs  "
+                    f"cuBLAS {r['cublas_us']:6.1f} µs  picked {r['picked_us'] or float('nan'):6.1f} µs  "
+                    f"best {b['us']:6.1f} µs {b['tile']} (err {b['err']:.1e})",
+                    flush=True,
+                )
+                save()
     if "attention" in parts:
         result["attention"] = []
         for b in (int(x) for x in args.batches.split(",")):

@@ -244,9 +244,7 @@ async def batch_part(args) -> dict:
                     if spec:
                         report.setdefault("spec", []).append(spec_metrics(engine))
                     print(key, rate, report.get("spec", [""])[-1] if spec else "", flush=True)
-    report["on_over_off"] = round(
-        statistics.mean(report["on"]) / statistics.mean(report["off"]), 3
-    )
+    report["on_over_off"] = round(statistics.mean(report["on"]) / statistics.mean(report["off"]), 3)
     print(json.dumps({"batch_on_over_off": report["on_over_off"]}), flush=True)
     return report
 
@@ -346,9 +344,18 @@ def schedule_part(args) -> dict:
 def verify_part(args) -> dict:
     import torch
 
-    from benchmarks.decode import build_runner, hf_config, median_ms, random_shard
+    from benchmarks.decode import (
+        build_runner,
+        hf_config,
+        median_ms,
+        random_shard,
+        use_cublas_for_few_rows,
+    )
     from prepare.model_spec import model_spec_from_config
     from runtime.runner import SeqInput
+
+    if args.cublas_few_rows:
+        use_cublas_for_few_rows()
 
     spec = model_spec_from_config(hf_config(32), 1)
     tensors = random_shard(spec)
@@ -388,6 +395,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=512, help="verify: tokens in the cache")
+    p.add_argument(
+        "--cublas-few-rows",
+        action="store_true",
+        help="verify: the baseline, products of 2 to 32 rows through cuBLAS",
+    )
     p.add_argument("--out", type=Path, help="write DIR/speculation_PART.json")
     args = p.parse_args(argv)
     if args.part == "verify":

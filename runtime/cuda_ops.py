@@ -83,6 +83,37 @@ def _rows_tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
     return (1, 8, 2) if k > 4096 else (2, 8, 4)
 
 
+HALF_FEW_ROWS = 32  # up to this many rows, W x^T in Triton beats cuBLAS (benchmarks/kernels.py)
+
+
+def few_rows(x: torch.Tensor) -> bool:
+    """A decode step of a few sequences, or a verification row replayed as one-token rows:
+    products that read every weight for a handful of rows, where cuBLAS's GEMMs reach well
+    under the weight-read rate (benchmarks/kernels.py --part few)."""
+    return 1 < x.shape[0] <= HALF_FEW_ROWS and x.stride(1) == 1
+
+
+def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, stages, warps) of the bf16 few-rows kernel for m rows of an N x K
+    weight: the best of the H200 sweep over the 8B shapes (benchmarks/kernels.py --part few);
+    long rows (down) take narrower blocks beyond 8 rows, so more programs share them."""
+    if k > 4096:
+        return (64, 256, 4, 4) if m <= 8 else (32, 256, 6, 4)
+    return (64, 128, 4, 4) if n > 8192 else (64, 128, 6, 4)
+
+
+def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [T, K] @ w [N, K]^T (+ bias) for T > 1 bf16/fp16 rows: Orbit's few-rows kernel up to
+    HALF_FEW_ROWS, cuBLAS beyond."""
+    if not few_rows(x):
+        return F.linear(x, w, bias)
+    from runtime import triton_kernels
+
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, x.shape[0]))
+    return out
+
+
 def linear(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -90,11 +121,11 @@ def linear(
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """x [T, K] @ w [N, K]^T (+ bias): one row through Orbit's GEMV, more through cuBLAS. With
-    `scale` (an FP8 w's, per row, or per `block` for block scales; runtime/quant.py) one row
-    only: the GEMV applies it."""
+    """x [T, K] @ w [N, K]^T (+ bias): one row through Orbit's GEMV, more through
+    many_rows_linear. With `scale` (an FP8 w's, per row, or per `block` for block scales;
+    runtime/quant.py) one row only: the GEMV applies it."""
     if not one_row(x):
-        return F.linear(x, w, bias)
+        return many_rows_linear(x, w, bias)
     from runtime import triton_kernels
 
     out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
@@ -112,7 +143,7 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """silu_and_mul(gate_up) @ w^T; one row in one kernel."""
     if not one_row(gate_up):
-        return F.linear(silu_and_mul(gate_up), w)
+        return many_rows_linear(silu_and_mul(gate_up), w, None)
     from runtime import triton_kernels
 
     out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
@@ -159,7 +190,7 @@ def fp8_rowwise_mm(
 
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if x.shape[0]:
-            triton_kernels.fp8_few_rows_mm(xq, xs, w, scale, out)
+            triton_kernels.few_rows_mm(xq, w, None, out, (64, 256, 4, 4), xs=xs, ws=scale)
     else:
         out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias

@@ -39,7 +39,8 @@ class ReferenceMatmul:
 
 
 class HalfMatmul:
-    """bf16/fp16 weights on CUDA: one row through Orbit's GEMV, more through cuBLAS."""
+    """bf16/fp16 weights on CUDA: one row through Orbit's GEMV, up to 32 through its few-rows
+    kernel, more through cuBLAS (runtime/cuda_ops.py)."""
 
     def linear(self, x, layer):
         return cuda_ops.linear(x, layer.weight, layer.bias)

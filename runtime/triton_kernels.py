@@ -774,22 +774,27 @@ def fp8_block_mm(a, a_scales, b, b_scales, out, block: tuple[int, int]) -> None:
 
 
 @triton.jit
-def _fp8_few_rows_kernel(
+def _few_rows_kernel(
     w_ptr,
-    xq_ptr,
+    x_ptr,
     xs_ptr,
     ws_ptr,
+    b_ptr,
     y_ptr,
     M,
     N,
+    x_stride,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROWS: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
-    # y [M, N] = (xq [M, K] * xs [M]) @ (w [N, K] * ws [N])^T for few rows M <= ROWS, computed
-    # as W xq^T so that the weight's rows fill the tensor cores' long side (a GEMM with M
-    # rows would pad them to 64 and read the weights once per 64-row tile of x anyway).
+    # y [M, N] = x [M, K] @ w [N, K]^T (+ b) for few rows M <= ROWS, computed as W x^T so that
+    # the weight's rows fill the tensor cores' long side (a GEMM with M rows would pad them to
+    # 64 and read the weights once per 64-row tile of x anyway). SCALED: x and w are float8,
+    # x scaled per row by xs [M], w per row by ws [N], both applied to the float32 sums.
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, ROWS)
@@ -803,41 +808,49 @@ def _fp8_few_rows_kernel(
             other=0.0,
         )
         xt = tl.load(
-            xq_ptr + rr[None, :] * K + k[:, None],
+            x_ptr + rr[None, :] * x_stride + k[:, None],
             mask=(rr < M)[None, :] & (k < K)[:, None],
             other=0.0,
         )
         acc = tl.dot(w, xt, acc)
-    ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
-    xs = tl.load(xs_ptr + rr, mask=rr < M, other=0.0)
-    y = acc * ws[:, None] * xs[None, :]
+    if SCALED:
+        ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
+        xs = tl.load(xs_ptr + rr, mask=rr < M, other=0.0)
+        acc = acc * ws[:, None] * xs[None, :]
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     tl.store(
         y_ptr + rr[None, :] * N + rn[:, None],
-        y.to(y_ptr.dtype.element_ty),
+        acc.to(y_ptr.dtype.element_ty),
         mask=(rn < N)[:, None] & (rr < M)[None, :],
     )
 
 
-def fp8_few_rows_mm(xq, xs, w, ws, out, tile=(64, 256, 4)) -> None:
-    """out [M, N] = (xq [M, K] float8 * xs [M, 1]) @ (w [N, K] float8 * ws [N])^T, M <= 64.
-    tile = (BLOCK_N, BLOCK_K, pipeline stages)."""
-    m, k = xq.shape
+def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, x's rows contiguous; with xs
+    and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile = (BLOCK_N, BLOCK_K,
+    pipeline stages, warps)."""
+    m, k = x.shape
     n = w.shape[0]
-    block_n, block_k, stages = tile
-    _fp8_few_rows_kernel[(triton.cdiv(n, block_n),)](
+    block_n, block_k, stages, warps = tile
+    _few_rows_kernel[(triton.cdiv(n, block_n),)](
         w,
-        xq,
-        xs,
-        ws,
+        x,
+        xs if xs is not None else x,
+        ws if ws is not None else w,
+        bias if bias is not None else w,
         out,
         m,
         n,
+        x.stride(0),
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ROWS=max(16, triton.next_power_of_2(m)),
+        SCALED=xs is not None,
+        HAS_BIAS=bias is not None,
         num_stages=stages,
-        num_warps=4,
+        num_warps=warps,
     )
 
 

@@ -1,7 +1,8 @@
 """Orbit's one-row GEMV kernels (runtime/cuda_ops.py, runtime/triton_kernels.py) against
 float32 PyTorch of the same bf16 inputs: plain, with bias, SiLU-mul fused before the product,
-add + RMSNorm fused before it. Shapes include rows that do not fill a block and rows shorter
-than a chunk, as the SmolLM2 and odd TP slices give."""
+add + RMSNorm fused before it; and its few-rows kernel (W x^T) for 2 to 32 rows. Shapes
+include rows that do not fill a block and rows shorter than a chunk, as the SmolLM2 and odd TP
+slices give."""
 
 from __future__ import annotations
 
@@ -63,9 +64,29 @@ def test_norm_linear_matches_float32(n, k):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-def test_two_rows_take_cublas_and_agree():
-    _, w, _ = _inputs(512, 256, 4)
-    x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
-    rows = torch.cat([cuda_ops.linear(x[i : i + 1], w, None) for i in range(2)])
-    assert torch.equal(cuda_ops.linear(x, w, None), torch.nn.functional.linear(x, w))
-    assert rel_error(rows.float(), torch.nn.functional.linear(x, w).float()) <= TOL
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_few_rows_match_float32(n, k):
+    """2 to HALF_FEW_ROWS rows take Orbit's few-rows kernel (W x^T), one more cuBLAS; rows of
+    a wider tensor (a stride past K) as the model's slices give, with and without bias."""
+    g, w, _ = _inputs(n, k, 4)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    for m in (2, 5, cuda_ops.HALF_FEW_ROWS, cuda_ops.HALF_FEW_ROWS + 1):
+        wide = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16, generator=g)
+        for x in (wide[:, :k].contiguous(), wide[:, :k]):
+            assert cuda_ops.few_rows(x) == (m <= cuda_ops.HALF_FEW_ROWS)
+            for b in (None, bias):
+                got = cuda_ops.linear(x, w, b)
+                ref = torch.nn.functional.linear(
+                    x.float(), w.float(), None if b is None else b.float()
+                )
+                assert got.shape == (m, n) and got.dtype == torch.bfloat16
+                assert rel_error(got.float(), ref) <= TOL, (m, b is None)
+
+
+def test_few_rows_silu_and_mul_linear_matches_float32():
+    g, w, _ = _inputs(4096, 1000, 5)
+    gate_up = torch.randn(5, 2000, device="cuda", dtype=torch.bfloat16, generator=g)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
+    ref = torch.nn.functional.linear(act, w.float())
+    assert rel_error(cuda_ops.silu_and_mul_linear(gate_up, w).float(), ref) <= TOL
