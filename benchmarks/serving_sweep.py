@@ -41,6 +41,7 @@ import math
 import multiprocessing
 import os
 import pty
+import random
 import shlex
 import shutil
 import signal
@@ -91,6 +92,7 @@ class ClientJob:
     streams: int = 1
     first_salt: int = 0  # request i's prompt is prompt_ids(..., salt=first_salt + i)
     num_requests: int = 1
+    texts: tuple[str, ...] = ()  # when given, request i's prompt is texts[i], not token ids
     start_at_s: float = 0.0  # time.perf_counter(): CLOCK_MONOTONIC, the same in every process
 
 
@@ -136,13 +138,13 @@ def prompt_ids(num_tokens: int, salt: int, vocab_size: int) -> list[int]:
     return [1000 + (7919 * i + 104729 * salt) % (vocab_size - 1000) for i in range(num_tokens)]
 
 
-async def one_request(client, job: ClientJob, ids: list[int]) -> RequestRecord:
+async def one_request(client, job: ClientJob, prompt: list[int] | str) -> RequestRecord:
     extra = {"logprobs": 0} if job.logprobs else {}
     record = RequestRecord(sent_s=time.perf_counter())
     try:
         stream = await client.completions.create(
             model=job.model,
-            prompt=ids,
+            prompt=prompt,
             max_tokens=job.new_tokens,
             temperature=job.temperature,
             stream=True,
@@ -170,8 +172,11 @@ async def run_job(job: ClientJob) -> list[RequestRecord]:
 
     async def bounded(salt: int) -> RequestRecord:
         async with gate:
-            ids = prompt_ids(job.prompt_tokens, salt, job.vocab_size)
-            return await one_request(client, job, ids)
+            if job.texts:
+                return await one_request(client, job, job.texts[salt - job.first_salt])
+            return await one_request(
+                client, job, prompt_ids(job.prompt_tokens, salt, job.vocab_size)
+            )
 
     await asyncio.sleep(max(0.0, job.start_at_s - time.perf_counter()))
     try:
@@ -632,21 +637,76 @@ def ttft_probe(pool: ClientPool, base: ClientJob, prompt_tokens: int) -> dict:
     """TTFT of a prompt_tokens prompt sent alone, TTFT_PROBES times one after another (each a
     prompt of its own): the prefill's latency through HTTP. `ttft_ms` is what a plain HTTP
     client sees (httpx, the body encoded before the clock starts); `openai_client_ttft_ms` is
-    what the official client sees, which adds its own work in the client process: for 2,048
-    token ids, 33-44 ms of request building on the H200 host (2026-12-03)."""
+    what the official client sees sending token ids, which adds its own work in the client
+    process (for 2,048 ids, 33-44 ms of request building on the H200 host, 2026-12-03; 18 ms on
+    the 2-core VM, where the same prompt as text takes 0.6 ms); `openai_client_text_ttft_ms`
+    the official client sending text of exactly prompt_tokens tokens, as applications do: the
+    server's tokenization is then inside the figure."""
     raw = asyncio.run(raw_ttfts_s(base, prompt_tokens, TTFT_WARMUP + TTFT_PROBES))
     job = replace(
         base, prompt_tokens=prompt_tokens, new_tokens=2, streams=1, num_requests=TTFT_PROBES,
         first_salt=10**7, start_at_s=time.perf_counter(),
     )  # fmt: skip
     records = pool.run([job])
+    salts = range(3 * 10**7, 3 * 10**7 + TTFT_WARMUP + TTFT_PROBES)
+    texts = tuple(exact_text(base, prompt_tokens, salt) for salt in salts)
+    text_job = replace(job, num_requests=len(texts), texts=texts, start_at_s=time.perf_counter())
+    text_records = pool.run([text_job])[TTFT_WARMUP:]
     return {
         "probe": f"ttft_{prompt_tokens}_tokens",
-        "requests": len(records) + len(raw),
-        "failures": sum(not r.ok for r in records),
+        "requests": len(records) + len(raw) + len(texts),
+        "failures": sum(not r.ok for r in records + text_records),
         "ttft_ms": percentiles_ms(raw[TTFT_WARMUP:]),
         "openai_client_ttft_ms": percentiles_ms([r.times_s[0] - r.sent_s for r in records if r.ok]),
+        "openai_client_text_ttft_ms": percentiles_ms(
+            [r.times_s[0] - r.sent_s for r in text_records if r.ok]
+        ),
     }
+
+
+WORDS = """
+the of and to in is was for on that with as by at from his her it an be this which or
+are had not but were all one their they have has been more she when there would who will
+its time into only year new other some two could after first than these may people then
+over most about also any city made work part such water even back long way day state
+both world under house school small great place light river stone field north south
+music paper story
+""".split()  # noqa: SIM905 - a word list reads better as prose
+
+
+def exact_text(job: ClientJob, num_tokens: int, salt: int) -> str:
+    """English-looking text of words drawn by `salt` (so no two share a prefix to cache) that
+    the server's own /tokenize counts as exactly num_tokens tokens, special tokens included as
+    /v1/completions adds them."""
+    rng = random.Random(salt)
+    words: list[str] = []
+
+    def count() -> int:
+        r = httpx.post(
+            f"{job.url}/tokenize",
+            json={"model": job.model, "prompt": " ".join(words)},
+            headers={"Authorization": f"Bearer {job.api_key}"},
+            timeout=job.timeout_s,
+        )
+        r.raise_for_status()
+        return r.json()["count"]
+
+    def resize(n: int) -> None:
+        del words[n:]
+        words.extend(rng.choice(WORDS) for _ in range(n - len(words)))
+
+    resize(num_tokens)
+    for _ in range(4):  # scale the word count by the measured tokens per word
+        have = count()
+        if have == num_tokens:
+            return " ".join(words)
+        resize(max(1, round(len(words) * num_tokens / have)))
+    for _ in range(200):  # then a word at a time
+        have = count()
+        if have == num_tokens:
+            return " ".join(words)
+        resize(len(words) + (1 if have < num_tokens else -1))
+    raise SweepError(f"no text of exactly {num_tokens} tokens found (salt {salt})")
 
 
 async def raw_ttfts_s(job: ClientJob, prompt_tokens: int, count: int) -> list[float]:
@@ -740,7 +800,11 @@ def print_report(report: dict) -> None:
     console = Console(width=max(Console().width, 200))  # a pipe gets 80 columns otherwise
     console.print(table)
     if probe := report.get("ttft_probe"):
-        for key, who in (("ttft_ms", "plain HTTP"), ("openai_client_ttft_ms", "openai client")):
+        for key, who in (
+            ("ttft_ms", "plain HTTP"),
+            ("openai_client_ttft_ms", "openai client, token ids"),
+            ("openai_client_text_ttft_ms", "openai client, text"),
+        ):
             ttft = probe[key]
             console.print(
                 f"{probe['probe']} ({who}): TTFT ms p50/90/99 "

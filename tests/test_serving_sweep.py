@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import httpx
 import pytest
 
 from benchmarks import serving_sweep
@@ -47,8 +48,26 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
         assert by_role == pytest.approx(cpu["us_per_token"], abs=0.01)
     probe = report["ttft_probe"]
     assert probe["failures"] == 0
-    for key in ("ttft_ms", "openai_client_ttft_ms"):
+    for key in ("ttft_ms", "openai_client_ttft_ms", "openai_client_text_ttft_ms"):
         assert 0 < probe[key]["p50"] <= probe[key]["p99"]
+
+
+def test_exact_text_has_exactly_the_tokens_asked(tiny_server):
+    """The TTFT probe's text prompts, counted by the package's tokenizer (not the server's
+    /tokenize, which built them): exactly the length asked, and no two alike."""
+    from transformers import AutoTokenizer
+
+    from runtime.package import open_package
+
+    tokenizer = AutoTokenizer.from_pretrained(str(open_package(tiny_server.package).tokenizer_dir))
+    model = httpx.get(f"{tiny_server.url}/v1/models").json()["data"][0]["id"]
+    job = serving_sweep.ClientJob(
+        url=tiny_server.url, api_key="unused", model=model, prompt_tokens=0, new_tokens=1,
+        temperature=0.0, logprobs=False, vocab_size=0, timeout_s=30.0,
+    )  # fmt: skip
+    texts = [serving_sweep.exact_text(job, n, salt) for salt, n in enumerate((1, 7, 100, 100))]
+    assert [len(tokenizer(t).input_ids) for t in texts] == [1, 7, 100, 100]
+    assert texts[2] != texts[3]
 
 
 def test_chunk_tokens_exact_where_said_else_spread():
