@@ -21,6 +21,12 @@
   all but always rejected, so each step yields one token and its time over the plain step's is
   the end-to-end cost of a rejected round of k proposals; from it, the acceptance rate per
   proposal at which the draft breaks even.
+- `replay`: --package's greedy outputs for the copy prompts (speculation off, EOS honoured),
+  then each n-gram policy (k at most 4, 8, 16; shortest n-gram 1, 2, 3; adaptive or fixed k)
+  replayed over them as the scheduler would drive it one step at a time: decode steps, steps
+  where the sequence waited for its last token to propose (not planned ahead), verification
+  rows, tokens per step. Greedy outputs do not depend on speculation, so this counts exactly
+  what each policy would do with them (chained rows aside); only the step costs need a GPU.
 - `schedule`: the scheduler alone on the CPU (no ranks): --users sequences of
   --prompt-tokens random tokens and --new-tokens random draws, two steps in flight, speculation
   off then on: milliseconds of `schedule()` and `apply()` per step, the engine core's share
@@ -30,6 +36,7 @@
     python3 -m benchmarks.speculation copy --package PKG --device cuda --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
     python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
+    python3 -m benchmarks.speculation replay --package PKG --device cpu --out DIR
     python3 -m benchmarks.speculation schedule --users 128
 """
 
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import random
 import statistics
@@ -46,7 +54,7 @@ from pathlib import Path
 
 from benchmarks.step_overhead import GREEDY, engine_config, local_ranks, prompt, running_engine
 from runtime.package import open_package
-from runtime.speculation import SpeculationConfig
+from runtime.speculation import SpecState, SpeculationConfig, num_kept
 
 PASSAGE = """The harbour town woke slowly in winter. The first boats went out before the light, \
 their engines coughing in the cold, and the gulls followed them past the breakwater. By eight \
@@ -204,6 +212,68 @@ async def copy_part(args) -> dict:
                     part[mode]["output_tokens"] = [len(o) for o in part[mode].pop("outputs")]
             report["rounds"].append(runs)
             print(json.dumps({k: v for k, v in runs.items() if k != "sample_output"}), flush=True)
+    return report
+
+
+def replay(config: SpeculationConfig, prompt: list[int], output: list[int]) -> dict:
+    """One greedy output through the n-gram proposer, decode step by decode step (the
+    prefill drew output[0]): whether the sequence waits to propose is decided while the
+    previous token is drawn (SpecState.may_propose_next), its proposals follow once it is
+    known, and a verification row yields its kept proposals and one draw."""
+    spec, known, given = SpecState(config), prompt + output, 0
+    steps = waits = rows = proposed = kept = 0
+
+    def unseen(end: int) -> list[int]:
+        nonlocal given
+        new, given = known[given:end], max(given, end)
+        return new
+
+    pos = 1
+    while pos < len(output):
+        steps += 1
+        if not spec.active:
+            spec.decoded(1)
+            pos += 1
+            continue
+        if not spec.may_propose_next(unseen(len(prompt) + pos - 1)):
+            pos += 1
+            continue
+        waits += 1
+        found = spec.propose(unseen(len(prompt) + pos), len(output) - pos - 1)
+        n = num_kept(found, output[pos:]) if found else 0
+        if found:
+            spec.verified(len(found), n)
+            rows, proposed, kept = rows + 1, proposed + len(found), kept + n
+        pos += n + 1
+    return {"steps": steps, "waits": waits, "rows": rows, "proposed": proposed, "kept": kept}
+
+
+async def replay_part(args) -> dict:
+    from transformers import AutoTokenizer
+
+    pkg = open_package(args.package)
+    tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
+    prompts = [chat_ids(tokenizer, t) for t in TASKS]
+    async with (
+        local_ranks(pkg, args.device, args.kv_pages) as link,
+        running_engine(engine_config(pkg, overlap=True), link) as engine,
+    ):
+        outputs = [await generate(engine, p, args.max_tokens, False) for p in prompts]
+    report: dict = {"output_tokens": [len(o) for o in outputs], "policies": []}
+    for k, shortest, adaptive in itertools.product((4, 8, 16), (1, 2, 3), (True, False)):
+        config = SpeculationConfig(
+            num_tokens=k, ngram_min=shortest, ngram_max=max(4, shortest), adaptive=adaptive
+        )
+        runs = [replay(config, p, o) for p, o in zip(prompts, outputs)]
+        total = {key: sum(r[key] for r in runs) for key in runs[0]}
+        decoded = sum(len(o) - 1 for o in outputs)
+        row = {"k": k, "ngram_min": shortest, "adaptive": adaptive, **total}
+        row["tokens_per_step"] = round(decoded / total["steps"], 3)
+        row["tokens_per_step_each"] = [
+            round((len(o) - 1) / r["steps"], 2) for o, r in zip(outputs, runs)
+        ]
+        report["policies"].append(row)
+        print(json.dumps(row), flush=True)
     return report
 
 
@@ -384,7 +454,7 @@ def verify_part(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("part", choices=["verify", "copy", "batch", "draft", "schedule"])
+    p.add_argument("part", choices=["verify", "copy", "batch", "draft", "schedule", "replay"])
     p.add_argument("--package", type=Path)
     p.add_argument("--draft", type=Path, help="draft: the draft package")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -409,7 +479,12 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         if args.package is None:
             p.error(f"{args.part} needs --package")
-        parts = {"copy": copy_part, "batch": batch_part, "draft": draft_part}
+        parts = {
+            "copy": copy_part,
+            "batch": batch_part,
+            "draft": draft_part,
+            "replay": replay_part,
+        }
         report = asyncio.run(parts[args.part](args))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -260,6 +260,22 @@ def test_the_scheduler_benchmark_compares_both_modes():
     assert report["off"]["verifications"] == 0
 
 
+def test_the_replay_benchmark_counts_what_the_proposer_keeps():
+    """benchmarks.speculation's replay over an output that copies its prompt: with k fixed,
+    every decode step after the first verifies k proposals and keeps them all; with adaptive
+    k and an output that never repeats, nothing is proposed and the sequence stops waiting."""
+    from benchmarks.speculation import replay
+
+    prompt = list(range(100, 160))
+    fixed = replay(SpeculationConfig(num_tokens=4, ngram_min=1, adaptive=False), prompt, prompt)
+    assert fixed["rows"] == fixed["steps"] == fixed["waits"] == 12  # 59 tokens: 11 x 5, 4
+    assert fixed["kept"] == fixed["proposed"] == 4 * 11 + 3
+    fresh = list(range(1000, 1200))
+    adaptive = replay(SpeculationConfig(num_tokens=4), prompt, fresh)
+    assert adaptive["rows"] == adaptive["proposed"] == 0
+    assert adaptive["steps"] == len(fresh) - 1 and adaptive["waits"] == 0
+
+
 def _run_draft(prompts, max_tokens, propose):
     """The scheduler with the draft proposer over the context model: propose(tokens, k) gives
     the draft tokens after a row's known tokens (what rank 0 would send back). Returns
