@@ -33,7 +33,7 @@
   of a step that the GPU does not see.
 
     python3 -m benchmarks.speculation verify --out DIR
-    python3 -m benchmarks.speculation copy --package PKG --device cuda --out DIR
+    python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
     python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
     python3 -m benchmarks.speculation replay --package PKG --device cpu --out DIR
@@ -186,7 +186,12 @@ async def copy_part(args) -> dict:
     async with local_ranks(pkg, args.device, args.kv_pages) as link:
         for _ in range(2):
             runs = {}
-            for spec in (None, SpeculationConfig(num_tokens=args.spec_tokens)):
+            ngram = SpeculationConfig(
+                num_tokens=args.spec_tokens,
+                ngram_min=args.ngram_min,
+                ngram_max=max(4, args.ngram_min),
+            )
+            for spec in (None, ngram):
                 key = "ngram" if spec else "off"
                 config = replace(engine_config(pkg, overlap=True), speculation=spec)
                 async with running_engine(config, link) as engine:
@@ -460,6 +465,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--kv-pages", type=int, default=0, help="per rank; 0 sizes from memory")
     p.add_argument("--spec-tokens", type=int, default=4)
+    p.add_argument(
+        "--ngram-min", type=int, default=2, help="copy: the shortest n-gram a proposal matches"
+    )
     p.add_argument("--max-tokens", type=int, default=320, help="copy: new tokens at most")
     p.add_argument("--users", type=int, default=64, help="batch: concurrent streams")
     p.add_argument("--prompt-tokens", type=int, default=512)
