@@ -1012,3 +1012,20 @@ async def test_openai_client_raises_on_stream_error_and_bad_request(openai_clien
     with pytest.raises(openai.APIError):
         async for _ in stream:
             pass
+
+
+async def test_warm_up_reaches_neither_the_engine_nor_the_metrics(app, engine, client):
+    """orbit/http/server.py warms a fresh API server (parsing, both lanes, the chat template,
+    the tokenizer, Starlette's streaming backend) before it serves: nothing of it may look like
+    a request, to the engine or to /metrics, and the app serves as before afterwards."""
+    await app.state.warm_up()
+    m = engine.metrics
+    assert engine.started == []
+    assert m.ttft.count == m.itl.count == 0
+    assert sum(c.value() for c in (m.prompt_tokens, m.generated_tokens, m.errors, m.aborted)) == 0
+    assert "orbit_requests_total{" not in m.render()
+    resp = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "stream": True}
+    )
+    assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
+    assert len(engine.started) == 1

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TypeVar
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -178,6 +179,7 @@ def create_app(
     ):
         extra = frontend.openapi_body(body)
         app.add_api_route(path, handler, methods=["POST"], dependencies=guard, openapi_extra=extra)
+    app.state.warm_up = frontend.warm_up  # orbit/http/server.py awaits it before serving
     return app
 
 
@@ -387,6 +389,33 @@ class _Frontend:
             )
         self.created = int(time.time())
         self._lanes = _Lanes()
+
+    async def warm_up(self) -> None:
+        """Pay a fresh API server's one-time costs before it serves, not in its first requests:
+        anyio's asyncio backend (Starlette's StreamingResponse imports it at the first stream),
+        each lane's first thread, request parsing, the chat template's compile, the tokenizer's
+        first encode and an incremental decode. Nothing reaches the engine or the metrics."""
+        async with anyio.create_task_group():
+            pass
+        requests = (
+            (self._completion_prompts, {"prompt": "Hello"}),
+            (self._chat_prompt, {"messages": [{"role": "user", "content": "Hello"}]}),
+        )
+        ids: list[int] = []
+        for size in (0, SMALL_WORK_BYTES + 1):  # the small lane, then the large one
+            for parse, fields in requests:
+                raw = json.dumps({"model": self.model_name, "max_tokens": 1, **fields}).encode()
+                try:
+                    _, prompts, _ = await self._lanes.run(size, parse, raw)
+                except ApiError:  # e.g. a tokenizer without a chat template: nothing to warm
+                    continue
+                prompt = prompts[0] if isinstance(prompts, list) else prompts
+                ids = await self._lanes.run(
+                    size, _encode, self.engine.tokenizer, prompt.text, prompt.add_special_tokens
+                )
+        stream = TextStream(self.engine.tokenizer)
+        stream.feed_many(ids)
+        stream.finish()
 
     def openapi_body(self, model_cls: type[RequestModel]) -> dict:
         """The request schema for /openapi.json: the routes parse their bodies themselves (to

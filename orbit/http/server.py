@@ -100,6 +100,7 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
         model_aliases=cfg.model_aliases,
         schema_checker=schemas,
     )
+    await app.state.warm_up()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
