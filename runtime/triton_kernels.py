@@ -827,9 +827,9 @@ def _few_rows_kernel(
 
 
 def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
-    """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, x's rows contiguous; with xs
-    and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile = (BLOCK_N, BLOCK_K,
-    pipeline stages, warps)."""
+    """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
+    row stride); with xs and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile =
+    (BLOCK_N, BLOCK_K, pipeline stages, warps)."""
     m, k = x.shape
     n = w.shape[0]
     block_n, block_k, stages, warps = tile

@@ -100,7 +100,10 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
         model_aliases=cfg.model_aliases,
         schema_checker=schemas,
     )
-    await app.state.warm_up()
+    try:
+        await app.state.warm_up()
+    except Exception:  # noqa: BLE001 - cold first requests are better than no API server
+        log.warning("warming up the request path failed; serving without it", exc_info=True)
     server = uvicorn.Server(
         uvicorn.Config(
             app,
