@@ -81,6 +81,12 @@ def test_few_rows_match_float32(n, k):
                 )
                 assert got.shape == (m, n) and got.dtype == torch.bfloat16
                 assert rel_error(got.float(), ref) <= TOL, (m, b is None)
+                if m > cuda_ops.HALF_FEW_ROWS:  # beyond the kernel's rows: cuBLAS, exactly
+                    assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+    # The same rows one at a time through the one-row GEMV agree with the few-rows product.
+    x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    rows = torch.cat([cuda_ops.linear(x[i : i + 1], w, None) for i in range(5)])
+    assert rel_error(rows.float(), cuda_ops.linear(x, w, None).float()) <= TOL
 
 
 def test_few_rows_silu_and_mul_linear_matches_float32():
