@@ -18,8 +18,14 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from orbit.http.app import BodyLimits, HeadTimeoutH11Protocol, create_app, uvicorn_options
 from orbit.core.local_ranks import free_port
+from orbit.http.app import (
+    MAX_HEAD_BYTES,
+    BodyLimits,
+    GuardedHttpToolsProtocol,
+    create_app,
+    uvicorn_options,
+)
 from orbit.http.openai_types import PromptLimits
 from tests.server import REPO, ServerProcess
 from tests.test_api_validation import FakeEngine
@@ -191,7 +197,42 @@ def test_connections_that_never_finish_a_request_are_closed(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
 
 
-class _QuickHeads(HeadTimeoutH11Protocol):
+def test_request_heads_past_the_size_bound_are_refused(server):
+    """A head longer than MAX_HEAD_BYTES gets 431 and the connection closes, whether it comes in
+    one write or trickles in as one endless header (which the parser would buffer whole); a
+    head under the bound whose body, sent in the same write, is far longer is served."""
+    port = server.port
+    big = b"X-Pad: " + b"a" * (MAX_HEAD_BYTES + 100) + b"\r\n"
+    whole = _connect(port, b"GET /health HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n")
+    trickled = _connect(port, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+    try:
+        for _ in range(MAX_HEAD_BYTES // 1024 + 2):
+            try:
+                trickled.sendall(b"a" * 1024)
+            except OSError:  # closed by the server already
+                break
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        for sock in (whole, trickled):
+            response = _closed_by_server(sock, deadline)
+            assert response is not None and response.startswith(b"HTTP/1.1 431 "), response
+            assert b"at most %d bytes" % MAX_HEAD_BYTES in response
+    finally:
+        whole.close()
+        trickled.close()
+    # JSON may end in whitespace: a body of 20 KiB behind a small head, in one write.
+    body = f'{{"model": "{_model(server)}", "prompt": "hi", "max_tokens": 1}}' + " " * 20_000
+    r = httpx.post(
+        server.url + "/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=30,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 1, r.text
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+class _QuickHeads(GuardedHttpToolsProtocol):
     head_timeout_s = 1.0
 
 

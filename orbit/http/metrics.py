@@ -104,8 +104,10 @@ class RateWindow:
         self._events: deque[tuple[float, int]] = deque()
         self._total = 0
 
-    def add(self, n: int) -> None:
-        now = self._clock()
+    def add(self, n: int, now: float | None = None) -> None:
+        """now: the clock's reading, when the caller has one."""
+        if now is None:
+            now = self._clock()
         self._total += n
         if self._events and now - self._events[-1][0] < self._window_s / 100:
             at, m = self._events[-1]  # events this close together share one entry
@@ -167,18 +169,23 @@ class FrontendMetrics:
         if status >= 400 and status != CLIENT_CLOSED_REQUEST and route != "/health":
             self.errors.inc()
 
-    def observe_tokens(self, since_previous_s: float, num_tokens: int, first: bool) -> None:
+    def observe_tokens(
+        self, since_previous_s: float, num_tokens: int, first: bool, now_s: float | None = None
+    ) -> None:
         """Tokens of one choice that arrived together, since_previous_s after its previous
-        ones (or after the request arrived, for the first): they share the interval."""
+        ones (or after the request arrived, for the first): they share the interval. now_s:
+        the monotonic clock, when the caller has read it."""
         if first:
             self.ttft.observe(since_previous_s)
             for _ in range(num_tokens - 1):
                 self.itl.observe(0.0)
+        elif num_tokens == 1:
+            self.itl.observe(since_previous_s)
         else:
             for _ in range(num_tokens):
                 self.itl.observe(since_previous_s / num_tokens)
         self.generated_tokens.inc(num_tokens)
-        self._token_rate.add(num_tokens)
+        self._token_rate.add(num_tokens, now_s)
 
     def render(self) -> str:
         metrics = (

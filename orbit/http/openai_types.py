@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, NamedTuple, TypeVar
 
@@ -692,7 +693,7 @@ class GeneratedToken(NamedTuple):
 
     token_id: int
     logprob: float | None
-    top_logprobs: list[tuple[int, float]]
+    top_logprobs: Sequence[tuple[int, float]]
     text_offset: int  # complete characters of the choice's text before this token
 
 

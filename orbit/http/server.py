@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import os
@@ -104,6 +105,10 @@ async def serve(cfg: ApiServerConfig, index: int, listener: socket.socket) -> No
         await app.state.warm_up()
     except Exception:  # noqa: BLE001 - cold first requests are better than no API server
         log.warning("warming up the request path failed; serving without it", exc_info=True)
+    # The startup heap (transformers, the tokenizer, the app: about 256,000 objects) lives as long
+    # as the process; frozen, the collector never walks it again (a full collection of it took
+    # 57 ms, a stall of every stream).
+    gc.freeze()
     server = uvicorn.Server(
         uvicorn.Config(
             app,
