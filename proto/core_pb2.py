@@ -16,39 +16,41 @@ _sym_db = _symbol_database.Default()
 from proto import wire_pb2 as proto_dot_wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/core.proto\x12\norbit.core\x1a\x10proto/wire.proto\"+\n\x08\x41piHello\x12\x12\n\napi_server\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\x85\x01\n\x08Generate\x12\x0f\n\x07seq_key\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.orbit.wire.SamplingParams\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\"\x19\n\x05\x41\x62ort\x12\x10\n\x08seq_keys\x18\x01 \x03(\x04\"!\n\tApiStatus\x12\x14\n\x0cmetrics_text\x18\x01 \x01(\t\" \n\x0cMetricsQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\"\xe2\x01\n\rFromApiServer\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.orbit.core.ApiHelloH\x00\x12(\n\x08generate\x18\x02 \x01(\x0b\x32\x14.orbit.core.GenerateH\x00\x12\"\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x11.orbit.core.AbortH\x00\x12\'\n\x06status\x18\x04 \x01(\x0b\x32\x15.orbit.core.ApiStatusH\x00\x12+\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.orbit.core.MetricsQueryH\x00\x42\x06\n\x04kind\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\xdf\x01\n\tSeqOutput\x12\x0f\n\x07seq_key\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.orbit.core.TopLogprobs\x12\"\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x12.orbit.core.Finish\x12$\n\x05\x65rror\x18\x06 \x01(\x0e\x32\x15.orbit.core.ErrorKind\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\"5\n\x0bStepOutputs\x12&\n\x07outputs\x18\x01 \x03(\x0b\x32\x15.orbit.core.SeqOutput\"@\n\nCoreStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08stopping\x18\x02 \x01(\x08\x12\x11\n\tmax_queue\x18\x03 \x01(\r\".\n\x0cMetricsReply\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x98\x01\n\x0bToApiServer\x12*\n\x07outputs\x18\x01 \x01(\x0b\x32\x17.orbit.core.StepOutputsH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.orbit.core.CoreStatusH\x00\x12+\n\x07metrics\x18\x03 \x01(\x0b\x32\x18.orbit.core.MetricsReplyH\x00\x42\x06\n\x04kind*O\n\x06\x46inish\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x0f\n\x0b\x46INISH_STOP\x10\x01\x12\x11\n\rFINISH_LENGTH\x10\x02\x12\x10\n\x0c\x46INISH_ERROR\x10\x03*\xa3\x01\n\tErrorKind\x12\x0e\n\nERROR_NONE\x10\x00\x12\x13\n\x0f\x45RROR_NOT_READY\x10\x01\x12\x12\n\x0e\x45RROR_STOPPING\x10\x02\x12\x14\n\x10\x45RROR_OVERLOADED\x10\x03\x12\x13\n\x0f\x45RROR_TOO_LARGE\x10\x04\x12\x17\n\x13\x45RROR_ENGINE_FAILED\x10\x05\x12\x19\n\x15\x45RROR_SEQUENCE_FAILED\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x10proto/core.proto\x12\norbit.core\x1a\x10proto/wire.proto\"+\n\x08\x41piHello\x12\x12\n\napi_server\x18\x01 \x01(\r\x12\x0b\n\x03pid\x18\x02 \x01(\r\"\x96\x01\n\x08Generate\x12\x0f\n\x07seq_key\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x12\n\nmax_tokens\x18\x03 \x01(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.orbit.wire.SamplingParams\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x0f\n\x07sent_at\x18\x06 \x01(\x01\"\x19\n\x05\x41\x62ort\x12\x10\n\x08seq_keys\x18\x01 \x03(\x04\"!\n\tApiStatus\x12\x14\n\x0cmetrics_text\x18\x01 \x01(\t\" \n\x0cMetricsQuery\x12\x10\n\x08query_id\x18\x01 \x01(\x04\"\xe2\x01\n\rFromApiServer\x12%\n\x05hello\x18\x01 \x01(\x0b\x32\x14.orbit.core.ApiHelloH\x00\x12(\n\x08generate\x18\x02 \x01(\x0b\x32\x14.orbit.core.GenerateH\x00\x12\"\n\x05\x61\x62ort\x18\x03 \x01(\x0b\x32\x11.orbit.core.AbortH\x00\x12\'\n\x06status\x18\x04 \x01(\x0b\x32\x15.orbit.core.ApiStatusH\x00\x12+\n\x07metrics\x18\x05 \x01(\x0b\x32\x18.orbit.core.MetricsQueryH\x00\x42\x06\n\x04kind\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"\x92\x02\n\tSeqOutput\x12\x0f\n\x07seq_key\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.orbit.core.TopLogprobs\x12\"\n\x06\x66inish\x18\x05 \x01(\x0e\x32\x12.orbit.core.Finish\x12$\n\x05\x65rror\x18\x06 \x01(\x0e\x32\x15.orbit.core.ErrorKind\x12\x15\n\rerror_message\x18\x07 \x01(\t\x12\x15\n\rcached_tokens\x18\x08 \x01(\r\x12\x31\n\x0b\x66irst_token\x18\t \x01(\x0b\x32\x1c.orbit.core.FirstTokenTiming\"z\n\x10\x46irstTokenTiming\x12\x0f\n\x07sent_at\x18\x01 \x01(\x01\x12\x11\n\tto_core_s\x18\x02 \x01(\x01\x12\x10\n\x08queued_s\x18\x03 \x01(\x01\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x0e\n\x06rank_s\x18\x05 \x01(\x01\x12\r\n\x05gpu_s\x18\x06 \x01(\x01\"5\n\x0bStepOutputs\x12&\n\x07outputs\x18\x01 \x03(\x0b\x32\x15.orbit.core.SeqOutput\"@\n\nCoreStatus\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x10\n\x08stopping\x18\x02 \x01(\x08\x12\x11\n\tmax_queue\x18\x03 \x01(\r\".\n\x0cMetricsReply\x12\x10\n\x08query_id\x18\x01 \x01(\x04\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x98\x01\n\x0bToApiServer\x12*\n\x07outputs\x18\x01 \x01(\x0b\x32\x17.orbit.core.StepOutputsH\x00\x12(\n\x06status\x18\x02 \x01(\x0b\x32\x16.orbit.core.CoreStatusH\x00\x12+\n\x07metrics\x18\x03 \x01(\x0b\x32\x18.orbit.core.MetricsReplyH\x00\x42\x06\n\x04kind*O\n\x06\x46inish\x12\x0f\n\x0b\x46INISH_NONE\x10\x00\x12\x0f\n\x0b\x46INISH_STOP\x10\x01\x12\x11\n\rFINISH_LENGTH\x10\x02\x12\x10\n\x0c\x46INISH_ERROR\x10\x03*\xa3\x01\n\tErrorKind\x12\x0e\n\nERROR_NONE\x10\x00\x12\x13\n\x0f\x45RROR_NOT_READY\x10\x01\x12\x12\n\x0e\x45RROR_STOPPING\x10\x02\x12\x14\n\x10\x45RROR_OVERLOADED\x10\x03\x12\x13\n\x0f\x45RROR_TOO_LARGE\x10\x04\x12\x17\n\x13\x45RROR_ENGINE_FAILED\x10\x05\x12\x19\n\x15\x45RROR_SEQUENCE_FAILED\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.core_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISH']._serialized_start=1158
-  _globals['_FINISH']._serialized_end=1237
-  _globals['_ERRORKIND']._serialized_start=1240
-  _globals['_ERRORKIND']._serialized_end=1403
+  _globals['_FINISH']._serialized_start=1350
+  _globals['_FINISH']._serialized_end=1429
+  _globals['_ERRORKIND']._serialized_start=1432
+  _globals['_ERRORKIND']._serialized_end=1595
   _globals['_APIHELLO']._serialized_start=50
   _globals['_APIHELLO']._serialized_end=93
   _globals['_GENERATE']._serialized_start=96
-  _globals['_GENERATE']._serialized_end=229
-  _globals['_ABORT']._serialized_start=231
-  _globals['_ABORT']._serialized_end=256
-  _globals['_APISTATUS']._serialized_start=258
-  _globals['_APISTATUS']._serialized_end=291
-  _globals['_METRICSQUERY']._serialized_start=293
-  _globals['_METRICSQUERY']._serialized_end=325
-  _globals['_FROMAPISERVER']._serialized_start=328
-  _globals['_FROMAPISERVER']._serialized_end=554
-  _globals['_TOPLOGPROBS']._serialized_start=556
-  _globals['_TOPLOGPROBS']._serialized_end=606
-  _globals['_SEQOUTPUT']._serialized_start=609
-  _globals['_SEQOUTPUT']._serialized_end=832
-  _globals['_STEPOUTPUTS']._serialized_start=834
-  _globals['_STEPOUTPUTS']._serialized_end=887
-  _globals['_CORESTATUS']._serialized_start=889
-  _globals['_CORESTATUS']._serialized_end=953
-  _globals['_METRICSREPLY']._serialized_start=955
-  _globals['_METRICSREPLY']._serialized_end=1001
-  _globals['_TOAPISERVER']._serialized_start=1004
-  _globals['_TOAPISERVER']._serialized_end=1156
+  _globals['_GENERATE']._serialized_end=246
+  _globals['_ABORT']._serialized_start=248
+  _globals['_ABORT']._serialized_end=273
+  _globals['_APISTATUS']._serialized_start=275
+  _globals['_APISTATUS']._serialized_end=308
+  _globals['_METRICSQUERY']._serialized_start=310
+  _globals['_METRICSQUERY']._serialized_end=342
+  _globals['_FROMAPISERVER']._serialized_start=345
+  _globals['_FROMAPISERVER']._serialized_end=571
+  _globals['_TOPLOGPROBS']._serialized_start=573
+  _globals['_TOPLOGPROBS']._serialized_end=623
+  _globals['_SEQOUTPUT']._serialized_start=626
+  _globals['_SEQOUTPUT']._serialized_end=900
+  _globals['_FIRSTTOKENTIMING']._serialized_start=902
+  _globals['_FIRSTTOKENTIMING']._serialized_end=1024
+  _globals['_STEPOUTPUTS']._serialized_start=1026
+  _globals['_STEPOUTPUTS']._serialized_end=1079
+  _globals['_CORESTATUS']._serialized_start=1081
+  _globals['_CORESTATUS']._serialized_end=1145
+  _globals['_METRICSREPLY']._serialized_start=1147
+  _globals['_METRICSREPLY']._serialized_end=1193
+  _globals['_TOAPISERVER']._serialized_start=1196
+  _globals['_TOAPISERVER']._serialized_end=1348
 # @@protoc_insertion_point(module_scope)

@@ -242,6 +242,45 @@ def test_info_level_logs_one_access_line_per_request(smol_server):
     assert "GET /v1/models/nope 404" in text
 
 
+def test_access_lines_split_the_time_to_first_token(smol_server):
+    """Each generation's line says where its time to first token went; the parts add up to it,
+    the ranks' share lies within the steps', and /metrics counts each choice's queue and
+    prefill time. The prompt (about 90 tokens) takes two prefill chunks of 64."""
+    client = _client(smol_server)
+    before = httpx.get(smol_server.url + "/metrics", timeout=10).text
+    prompt = "Count with me: " + " ".join(str(i) for i in range(40))
+    for stream in (False, True):
+        out = client.completions.create(
+            model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, stream=stream
+        )
+        if stream:
+            list(out)
+    text, deadline = "", time.monotonic() + 10
+    while text.count("tokens_out=2 ttft=") < 2 and time.monotonic() < deadline:
+        text += _output(smol_server, wait_for=" ttft=", timeout_s=1)
+    lines = [ln for ln in text.splitlines() if "POST /v1/completions 200" in ln][-2:]
+    assert len(lines) == 2 and all("ttft=" in ln for ln in lines), lines
+    for line in lines:
+        total_ms = float(line.split(" 200 ")[1].split("ms")[0])
+        parts_text = line.partition(" ttft=")[2]
+        ttft_ms = float(parts_text.split("ms(")[0])
+        parts = dict(p.split("=") for p in parts_text.split("ms(")[1].rstrip(")").split())
+        parts = {k: float(v) for k, v in parts.items()}
+        assert list(parts) == ["api", "to_core", "queue", "prefill", "ranks", "gpu", "back"]
+        assert all(v >= -0.1 for v in parts.values()), line  # (printed to 0.1 ms)
+        assert parts["prefill"] > 0 and parts["ranks"] > 0 and parts["gpu"] == 0, line
+        assert parts["ranks"] <= parts["prefill"] + 0.1, line
+        summed = sum(parts[k] for k in ("api", "to_core", "queue", "prefill", "back"))
+        assert abs(summed - ttft_ms) <= 0.3 and ttft_ms <= total_ms + 0.1, line
+    after = httpx.get(smol_server.url + "/metrics", timeout=10).text
+    for name in ("orbit_request_queue_seconds_count", "orbit_request_prefill_seconds_count"):
+        assert _metric(after, name) == _metric(before, name) + 2, name
+
+
+def _metric(text: str, name: str) -> float:
+    return next(float(ln.split()[1]) for ln in text.splitlines() if ln.startswith(name + " "))
+
+
 def test_log_level_reaches_the_ranks(smol_server):
     (rank,) = smol_server.rank_pids()
     cmd = Path(f"/proc/{rank}/cmdline").read_bytes().split(b"\0")

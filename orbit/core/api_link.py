@@ -136,7 +136,7 @@ class ApiLink:
     def _generate(self, sink: ApiServerSink, g: core_pb2.Generate) -> None:
         try:
             self.engine.submit(
-                sink, g.seq_key, g.prompt_ids, g.max_tokens, g.sampling, g.ignore_eos
+                sink, g.seq_key, g.prompt_ids, g.max_tokens, g.sampling, g.ignore_eos, g.sent_at
             )
         except Refused as e:
             outputs = core_pb2.StepOutputs()

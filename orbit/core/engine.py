@@ -103,6 +103,9 @@ class _Owner:
     sink: Sink
     key: int
     logprobs: bool
+    sent_at: float = 0.0  # when the API server sent it (its monotonic clock, this host's)
+    arrived_s: float = 0.0  # when the core took it (time.monotonic)
+    planned_s: float | None = None  # when the plan of its first step went to the ranks
 
 
 class _Queues(Sink):
@@ -152,8 +155,12 @@ class Engine:
         max_tokens: int,
         sampling: wire_pb2.SamplingParams,
         ignore_eos: bool = False,
+        sent_at: float = 0.0,
     ) -> None:
-        """Admit one sequence; raises Refused. Its outputs go to sink.deliver under key."""
+        """Admit one sequence; raises Refused. Its outputs go to sink.deliver under key.
+        sent_at: when its API server sent it (time.monotonic there), for its first output's
+        timing."""
+        arrived_s = time.monotonic()
         self._check_serving()
         if len(self.scheduler.waiting) >= self.config.max_queue:
             raise Refused(
@@ -179,7 +186,9 @@ class Engine:
         except CapacityError as e:
             raise Refused(core_pb2.ERROR_TOO_LARGE, str(e)) from None
         sink.live[key] = seq
-        self._owners[seq.seq_id] = _Owner(sink, key, sampling.num_logprobs >= 0)
+        self._owners[seq.seq_id] = _Owner(
+            sink, key, sampling.num_logprobs >= 0, sent_at or arrived_s, arrived_s
+        )
         self._wake.set()
 
     def abort(self, sink: Sink, key: int) -> None:
@@ -415,6 +424,12 @@ class Engine:
                 )
         busy = bool(in_flight)
         in_flight.append((step, self.link.submit(plan), time.perf_counter(), busy))
+        now_s = None
+        for chunk in step.chunks:
+            if chunk.is_new:  # (a sequence's first chunk, or its first after a preemption)
+                owner = self._owners.get(chunk.seq.seq_id)
+                if owner is not None and owner.planned_s is None:
+                    owner.planned_s = now_s = now_s or time.monotonic()
         return True
 
     def _fail_sequence(self, seq: Sequence, why: str, left_out_of: int | None = None) -> None:
@@ -471,6 +486,7 @@ class Engine:
             out = outputs.outputs.add(seq_key=owner.key, token_ids=ids)
             if len(seq.output_ids) == n:
                 out.cached_tokens = seq.cached_tokens or 0
+                _first_token_timing(out.first_token, owner, result)
             if owner.logprobs:
                 picked = samples[seq.seq_id]
                 for s in picked[:n] if verifies else (picked,):
@@ -489,6 +505,19 @@ class Engine:
         if seq is not None and seq.status is Status.RUNNING:
             log.error("sampling sequence %d failed on the ranks: %s", seq.seq_id, sample.error)
             self._fail_sequence(seq, f"sampling failed: {sample.error}")
+
+
+def _first_token_timing(
+    timing: core_pb2.FirstTokenTiming, owner: _Owner, result: wire_pb2.StepResult
+) -> None:
+    now_s = time.monotonic()
+    planned_s = owner.planned_s if owner.planned_s is not None else now_s
+    timing.sent_at = owner.sent_at
+    timing.to_core_s = max(owner.arrived_s - owner.sent_at, 0.0)
+    timing.queued_s = planned_s - owner.arrived_s
+    timing.prefill_s = now_s - planned_s
+    timing.rank_s = result.execute_s
+    timing.gpu_s = result.gpu_s
 
 
 def random_seed() -> int:

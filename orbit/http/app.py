@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.requests import ClientDisconnect
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from orbit.http.access_log import AccessLogMiddleware, note_tokens
+from orbit.http.access_log import AccessLogMiddleware, note_first_token, note_tokens
 from orbit.http.async_streams import close, merge
 from orbit.http.core_client import (
     CoreClient,
@@ -91,10 +91,13 @@ logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
 # A connection must send each request head whole within this many seconds of opening or of
-# its previous response (slow-loris clients), and is closed after this long idle between
-# requests. A head may be at most MAX_HEAD_BYTES long.
+# its previous response (slow-loris clients); a head may be at most MAX_HEAD_BYTES long.
 REQUEST_HEAD_TIMEOUT_S = 15.0
-KEEP_ALIVE_TIMEOUT_S = 5
+# An idle connection is closed after this long between requests: longer than the 5 s after
+# which httpx (and the openai client on it) drops an idle connection, so those clients never
+# send a request on a connection the server is closing (a reset; likely what failed one request
+# of a 1,000-request load test once).
+KEEP_ALIVE_TIMEOUT_S = 10
 MAX_HEAD_BYTES = 16 * 1024
 # Request bodies and prompts up to this many bytes (characters, for prompt text) are handled
 # in the small lane; one that size parses and tokenizes in about 15 ms.
@@ -314,6 +317,8 @@ class _Call:
     fmt: Format
     plan: GenerationPlan
     cached: dict[int, int] = field(default_factory=dict)  # choice -> prompt tokens from cache
+    # choice -> (time to its first token, where that time went), for the access log
+    first_token: dict[int, tuple[float, dict[str, float]]] = field(default_factory=dict)
 
     @property
     def cached_tokens(self) -> int:
@@ -592,11 +597,16 @@ class _Frontend:
         outputs = self.engine.generate(f"{call.id}-{index}", prompt_ids, plan.params[index])
         timer = _TokenTimer(self.metrics, started_s)
         tokens: list[GeneratedToken] = []
-        first = True
+        first = first_output = True
         try:
             async for out in outputs:
-                if out.cached_tokens:
-                    call.cached[index] = out.cached_tokens
+                if first_output:
+                    first_output = False
+                    if out.cached_tokens:
+                        call.cached[index] = out.cached_tokens
+                    if out.HasField("first_token"):
+                        self.metrics.observe_first_token(out.first_token)
+                        call.first_token[index] = _first_token_parts(out.first_token, started_s)
                 timer.tick(len(out.token_ids))
                 text = text_stream.feed_many(out.token_ids)
                 tokens += _generated(out, text_stream.fed_offsets)
@@ -626,6 +636,8 @@ class _Frontend:
         ]
         completion_tokens = sum(len(r.tokens) for r in results)
         note_tokens(request.state, tokens_out=completion_tokens)
+        if 0 in call.first_token:
+            note_first_token(request.state, *call.first_token[0])
         body = call.body(
             call.fmt.object_name,
             choices,
@@ -664,6 +676,8 @@ class _Frontend:
             yield _sse(self._stream_error(call.id, exc).body())
         finally:
             note_tokens(state, tokens_out=completion_tokens)
+            if 0 in call.first_token:
+                note_first_token(state, *call.first_token[0])
             if not ended:
                 self.metrics.aborted.inc()
             await deltas.aclose()
@@ -704,6 +718,26 @@ class _TokenTimer:
         now_s = time.monotonic()
         self._metrics.observe_tokens(now_s - self._last_s, num_tokens, self._first, now_s)
         self._last_s, self._first = now_s, False
+
+
+def _first_token_parts(
+    t: core_pb2.FirstTokenTiming, started_s: float
+) -> tuple[float, dict[str, float]]:
+    """A choice's time to first token (from the request's arrival to its first output here)
+    and its parts: this server's (parsing, the template, tokenization), the trip to the core,
+    the core's queue, the steps to the first token (of which the ranks' and the GPU's time in
+    the last), and the rest (the trips back, this server's delivery)."""
+    ttft_s = time.monotonic() - started_s
+    parts = {
+        "api": t.sent_at - started_s,
+        "to_core": t.to_core_s,
+        "queue": t.queued_s,
+        "prefill": t.prefill_s,
+        "ranks": t.rank_s,
+        "gpu": t.gpu_s,
+    }
+    parts["back"] = ttft_s - (parts["api"] + t.to_core_s + t.queued_s + t.prefill_s)
+    return ttft_s, parts
 
 
 def _generated(out: core_pb2.SeqOutput, text_offsets: list[int]) -> list[GeneratedToken]:

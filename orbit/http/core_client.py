@@ -183,6 +183,7 @@ class CoreClient:
         )
         finished = False
         try:
+            generate.sent_at = time.monotonic()
             self._send(core_pb2.FromApiServer(generate=generate))
             while True:
                 out = await outputs.get()

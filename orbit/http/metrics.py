@@ -152,6 +152,16 @@ class FrontendMetrics:
             "Between consecutive tokens of a choice.",
             ITL_BUCKETS_S,
         )
+        self.queue_time = Histogram(
+            "orbit_request_queue_seconds",
+            "From the engine core's receipt of each choice to its first step's plan.",
+            TTFT_BUCKETS_S,
+        )
+        self.prefill_time = Histogram(
+            "orbit_request_prefill_seconds",
+            "From each choice's first step's plan to its first token (every prefill chunk).",
+            TTFT_BUCKETS_S,
+        )
         self.generated_tokens = Counter("orbit_generated_tokens_total", "Tokens generated.")
         self.prompt_tokens = Counter("orbit_prompt_tokens_total", "Prompt tokens received.")
         self._token_rate = RateWindow(tokens_window_s)
@@ -187,12 +197,20 @@ class FrontendMetrics:
         self.generated_tokens.inc(num_tokens)
         self._token_rate.add(num_tokens, now_s)
 
+    def observe_first_token(self, timing) -> None:
+        """A choice's first output: the engine core's split of its time to first token
+        (core_pb2.FirstTokenTiming)."""
+        self.queue_time.observe(timing.queued_s)
+        self.prefill_time.observe(timing.prefill_s)
+
     def render(self) -> str:
         metrics = (
             self.requests,
             self.errors,
             self.aborted,
             self.ttft,
+            self.queue_time,
+            self.prefill_time,
             self.itl,
             self.generated_tokens,
             self.prompt_tokens,
