@@ -163,3 +163,62 @@ def test_the_core_link_drops_junk_and_refuses_what_it_cannot_admit(tmp_path):
     (out,) = outputs
     assert out.seq_key == 7 and out.finish == core_pb2.FINISH_ERROR
     assert out.error == core_pb2.ERROR_NOT_READY
+
+
+async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput]:
+    """A real CoreClient against a ROUTER standing in for the core, which sends one sequence
+    four steps of one token each (the last finishing it); lagging: the last three all arrive
+    before the stream asks for its next output."""
+    from orbit.http.core_client import CoreClient, SamplingParams
+
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    ctx = zmq.asyncio.Context()
+    core = ctx.socket(zmq.ROUTER)
+    core.setsockopt(zmq.LINGER, 0)
+    core.bind(endpoint)
+    client = CoreClient(endpoint, 0, lambda: "", None, 64)
+    await client.start()
+    try:
+        identity, _ = await core.recv_multipart()  # its ApiHello
+        ready = core_pb2.ToApiServer(status=core_pb2.CoreStatus(ready=True))
+        await core.send_multipart([identity, ready.SerializeToString()])
+        async with asyncio.timeout(5):
+            while not client.is_ready():
+                await asyncio.sleep(0.01)
+            stream = client.generate("r", [1, 2], SamplingParams(max_tokens=4))
+            first = asyncio.ensure_future(anext(stream))
+            key = None
+            while key is None:
+                msg = core_pb2.FromApiServer()
+                msg.ParseFromString((await core.recv_multipart())[1])
+                key = msg.generate.seq_key if msg.WhichOneof("kind") == "generate" else None
+
+            async def step(token: int, finish=core_pb2.FINISH_NONE) -> None:
+                out = core_pb2.SeqOutput(seq_key=key, token_ids=[token], finish=finish)
+                msg = core_pb2.ToApiServer(outputs=core_pb2.StepOutputs(outputs=[out]))
+                await core.send_multipart([identity, msg.SerializeToString()])
+
+            await step(10)
+            got = [await first]
+            finishes = (core_pb2.FINISH_NONE, core_pb2.FINISH_NONE, core_pb2.FINISH_LENGTH)
+            for token, finish in zip((11, 12, 13), finishes):
+                await step(token, finish)
+                if not lagging:
+                    got.append(await anext(stream))
+            if lagging:
+                await asyncio.sleep(0.3)  # the reader task takes all three meanwhile
+                got += [out async for out in stream]
+        return got
+    finally:
+        client.close()
+        core.close()
+        ctx.term()
+
+
+@pytest.mark.parametrize("lagging", [False, True])
+def test_a_stream_that_fell_behind_takes_the_steps_waiting_as_one_output(tmp_path, lagging):
+    got = asyncio.run(_steps_to_a_client(tmp_path, lagging))
+    tokens = [list(out.token_ids) for out in got]
+    assert tokens == ([[10], [11, 12, 13]] if lagging else [[10], [11], [12], [13]])
+    assert got[-1].finish == core_pb2.FINISH_LENGTH
+    assert all(out.finish == core_pb2.FINISH_NONE for out in got[:-1])

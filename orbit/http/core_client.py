@@ -2,8 +2,9 @@
 
 `generate` sends a sequence to the core and yields what the core sends back for it, one
 `SeqOutput` per step (the new tokens, logprobs when asked, and on the last one the finish
-reason); a reader task routes each step's message to the sequences' queues. A sequence that the
-core refused or ended with an error raises the matching exception below. The core's status
+reason), or one for all the steps that arrived while the stream was busy; a reader task
+routes each step's message to the sequences' queues. A sequence that the core refused or
+ended with an error raises the matching exception below. The core's status
 arrives when it changes and every second: when it has been silent for CORE_SILENCE_S the core
 counts as dead, every sequence ends with EngineError and the server is not ready.
 """
@@ -126,6 +127,16 @@ class _Outputs:
         return self.items.popleft()
 
 
+def _take_waiting(out: core_pb2.SeqOutput, waiting: deque[core_pb2.SeqOutput]) -> None:
+    """Merge into out the outputs that arrived while its sequence's stream was busy (up to an
+    error, which goes out on its own): a server that falls behind then writes each stream once
+    per catch-up rather than once per step, so its cost per token falls as it lags and it
+    catches up instead of queueing ever more. Repeated fields (tokens, logprobs) append; the
+    finish reason is the last one's; what only a first output carries stays."""
+    while waiting and out.finish == core_pb2.FINISH_NONE and not waiting[0].error:
+        out.MergeFrom(waiting.popleft())
+
+
 class CoreClient:
     def __init__(
         self,
@@ -166,7 +177,8 @@ class CoreClient:
     async def generate(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[core_pb2.SeqOutput]:
-        """Yield the sequence's outputs, one per step; closing the iterator early aborts it."""
+        """Yield the sequence's outputs, one per step (or per catch-up, _take_waiting); closing
+        the iterator early aborts it."""
         self._check_serving()
         try:
             sampling = params.wire()
@@ -190,6 +202,7 @@ class CoreClient:
                 if out.error:
                     finished = True
                     raise error_of(out)
+                _take_waiting(out, outputs.items)
                 finished = out.finish != core_pb2.FINISH_NONE
                 yield out
                 if finished:
