@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
+from benchmarks.serving_sweep import proc_stat
 from orbit.core.local_ranks import free_port
 
 CHUNK = (
@@ -89,11 +88,6 @@ async def read_streams(port: int, streams: int) -> int:
     return sum(await asyncio.gather(*(one() for _ in range(streams))))
 
 
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=32)
@@ -119,9 +113,9 @@ def main(argv: list[str] | None = None) -> dict:
                 time.sleep(0.1)
         results = []
         for _ in range(args.rounds):
-            before = cpu_s(server.pid)
+            before = proc_stat(str(server.pid))[1]
             chunks = asyncio.run(read_streams(port, args.streams))
-            results.append((cpu_s(server.pid) - before) / chunks * 1e6)
+            results.append((proc_stat(str(server.pid))[1] - before) / chunks * 1e6)
     finally:
         server.terminate()
         server.wait()

@@ -338,7 +338,7 @@ class GpuSampler:
 # ---- frontend CPU time ---------------------------------------------------------------------
 
 
-def _proc_stat(pid: str) -> tuple[int, float] | None:
+def proc_stat(pid: str) -> tuple[int, float] | None:
     """(parent pid, user + system CPU seconds) from /proc/PID/stat; None if it is gone."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -365,7 +365,7 @@ def _runs_module(args: list[str], module: str) -> bool:
 def process_tree(root_pid: int, skip_ranks: bool) -> dict[int, tuple[str, float]]:
     """pid -> (command line, CPU seconds) for root_pid and its descendants; with skip_ranks,
     without rank processes (`-m ranks`) and what they started."""
-    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := _proc_stat(p))}
+    stats = {int(p): s for p in os.listdir("/proc") if p.isdigit() and (s := proc_stat(p))}
     children = defaultdict(list)
     for pid, (ppid, _) in stats.items():
         children[ppid].append(pid)
@@ -696,16 +696,14 @@ def exact_text(job: ClientJob, num_tokens: int, salt: int) -> str:
         words.extend(rng.choice(WORDS) for _ in range(n - len(words)))
 
     resize(num_tokens)
-    for _ in range(4):  # scale the word count by the measured tokens per word
+    for attempt in range(204):
         have = count()
         if have == num_tokens:
             return " ".join(words)
-        resize(max(1, round(len(words) * num_tokens / have)))
-    for _ in range(200):  # then a word at a time
-        have = count()
-        if have == num_tokens:
-            return " ".join(words)
-        resize(len(words) + (1 if have < num_tokens else -1))
+        if attempt < 4:  # scale the word count by the measured tokens per word
+            resize(max(1, round(len(words) * num_tokens / have)))
+        else:  # then a word at a time
+            resize(len(words) + (1 if have < num_tokens else -1))
     raise SweepError(f"no text of exactly {num_tokens} tokens found (salt {salt})")
 
 

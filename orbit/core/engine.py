@@ -414,6 +414,7 @@ class Engine:
         if step is None:
             return False
         plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
+        planned_s = time.monotonic()
         for chunk in step.chunks:
             try:
                 _add_chunk(plan, chunk)
@@ -422,14 +423,13 @@ class Engine:
                 self._fail_sequence(
                     chunk.seq, f"planning failed: {type(e).__name__}: {e}", step.step_id
                 )
+                continue
+            # (is_new: a sequence's first chunk, or its first after a preemption)
+            owner = self._owners.get(chunk.seq.seq_id) if chunk.is_new else None
+            if owner is not None and owner.planned_s is None:
+                owner.planned_s = planned_s
         busy = bool(in_flight)
         in_flight.append((step, self.link.submit(plan), time.perf_counter(), busy))
-        now_s = None
-        for chunk in step.chunks:
-            if chunk.is_new:  # (a sequence's first chunk, or its first after a preemption)
-                owner = self._owners.get(chunk.seq.seq_id)
-                if owner is not None and owner.planned_s is None:
-                    owner.planned_s = now_s = now_s or time.monotonic()
         return True
 
     def _fail_sequence(self, seq: Sequence, why: str, left_out_of: int | None = None) -> None:

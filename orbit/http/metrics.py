@@ -189,8 +189,6 @@ class FrontendMetrics:
             self.ttft.observe(since_previous_s)
             for _ in range(num_tokens - 1):
                 self.itl.observe(0.0)
-        elif num_tokens == 1:
-            self.itl.observe(since_previous_s)
         else:
             for _ in range(num_tokens):
                 self.itl.observe(since_previous_s / num_tokens)
