@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -33,6 +35,32 @@ def load_runner(package_dir: str, rank: int, num_pages: int, kv_dtype: str = "au
     shape = KVCacheShape.for_spec(pkg.spec, pkg.tp_size, num_pages, pkg.capacities.kv_page_size)
     kv = KVCache(shape, pkg.dtype, "cpu", pkg.kv_quant(kv_dtype))
     return ReferenceRunner(model, kv), pkg
+
+
+def _finish(rank: int, tp: int, out_path: str) -> None:
+    """Mark this rank's work done, then leave without the interpreter's teardown.
+
+    Twice in CI (TCP store, then file store) one rank aborted in gloo's C++ teardown
+    ("terminate called without an active exception") after every result was computed. The
+    marker, written before the barrier so every rank's exists once any rank passes it, lets
+    `_spawn` tell such an abort from a failure of the work itself."""
+    Path(f"{out_path}.done{rank}").touch()
+    if tp > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _spawn(fn, args: tuple, tp: int, out_path: Path) -> None:
+    """Run fn on tp spawned processes; an abort after every rank finished its work is not
+    a failure of that work (see `_finish`), any other exit is."""
+    try:
+        mp.start_processes(fn, args=args, nprocs=tp, join=True, start_method="spawn")
+    except mp.ProcessExitedException:
+        if not all(Path(f"{out_path}.done{r}").exists() for r in range(tp)):
+            raise
 
 
 def _greedy(runner, page_size: int, prompt: list[int], max_new: int, eos: set[int], chunk: int):
@@ -75,9 +103,7 @@ def _worker(rank, tp, store_path, package_dir, prompts, max_new, chunk, out_path
         results.append({"logits": logits.tolist(), "ids": ids})
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
-    if tp > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    _finish(rank, tp, out_path)
 
 
 def run_tp(
@@ -92,12 +118,8 @@ def run_tp(
     """Greedy-generate each prompt on `tp` processes; returns rank 0's logits and ids."""
     out = tmp / f"result-tp{tp}.json"
     store = str(tmp / f"store-tp{tp}")
-    mp.start_processes(
-        _worker,
-        args=(tp, store, str(package_dir), prompts, max_new, chunk, str(out), kv_dtype),
-        nprocs=tp,
-        join=True,
-        start_method="spawn",
+    _spawn(
+        _worker, (tp, store, str(package_dir), prompts, max_new, chunk, str(out), kv_dtype), tp, out
     )
     return json.loads(out.read_text())
 
@@ -124,9 +146,7 @@ def _score_worker(rank, tp, store_path, package_dir, tokens, chunk, out_path, kv
         total += torch.log_softmax(logits, -1).gather(1, nxt[:, None]).sum().item()
     if rank == 0:
         Path(out_path).write_text(json.dumps(total))
-    if tp > 1:
-        dist.barrier()
-        dist.destroy_process_group()
+    _finish(rank, tp, out_path)
 
 
 def score_tp(
@@ -135,11 +155,5 @@ def score_tp(
     """Sum of log p(tokens[i + 1] | tokens[:i + 1]) on `tp` processes (rank 0's)."""
     out = tmp / f"score-tp{tp}.json"
     store = str(tmp / f"score-store-tp{tp}")
-    mp.start_processes(
-        _score_worker,
-        args=(tp, store, str(package_dir), tokens, chunk, str(out), kv_dtype),
-        nprocs=tp,
-        join=True,
-        start_method="spawn",
-    )
+    _spawn(_score_worker, (tp, store, str(package_dir), tokens, chunk, str(out), kv_dtype), tp, out)
     return json.loads(out.read_text())
