@@ -29,13 +29,15 @@ limit to compile there. (Holding the sequence out of the batch until its grammar
 every rank, as vLLM does, would remove even that wait, at the price of a scheduler state.)
 
 Reading the tokenizer's vocabulary into xgrammar takes about a second for a 50k vocabulary (far
-more on a loaded host); the rank does it in a background thread once it is ready (`warm_async`),
-so the first constrained request does not wait for it unless it comes first. Compiled grammars
+more on a loaded host); the rank does it in a thread beside its start-up and waits for it before
+it reports Ready (`warm_async`): the first constrained request does not wait for it, and no
+thread competes with the step loop for the interpreter once requests come. Compiled grammars
 are cached by schema text (xgrammar's compiler cache, at most COMPILER_CACHE_BYTES).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +47,8 @@ from pathlib import Path
 import torch
 
 from proto import wire_pb2
+
+log = logging.getLogger(__name__)
 
 # Whitespace inside the JSON is fixed (", " and ": "): with free whitespace a small model can
 # emit newlines until max_tokens. The API server checks schemas with the same setting.
@@ -147,9 +151,18 @@ class GrammarMasks:
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError with the reason
             raise GrammarError(reason(e)) from None
 
-    def warm_async(self) -> None:
-        """Build the compiler in a daemon thread, off the step loop."""
-        threading.Thread(target=self._get_compiler, name="grammar-warmup", daemon=True).start()
+    def warm_async(self) -> threading.Thread:
+        """Build the compiler in a daemon thread (returned, to join); a failure there leaves it
+        to the first grammar, which then raises it."""
+        thread = threading.Thread(target=self._warm, name="grammar-warmup", daemon=True)
+        thread.start()
+        return thread
+
+    def _warm(self) -> None:
+        try:
+            self._get_compiler()
+        except Exception:  # noqa: BLE001 - raised again, with its reason, by the first grammar
+            log.warning("building the grammar compiler failed; the first grammar will retry")
 
     def _get_compiler(self):
         with self._compiler_lock:

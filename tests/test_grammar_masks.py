@@ -14,7 +14,7 @@ import torch
 
 from proto import wire_pb2
 from ranks.steps import StepExecutor
-from runtime.grammar import GrammarMasks
+from runtime.grammar import GrammarError, GrammarMasks
 from runtime.package import open_package
 from runtime.sampling import sample
 from tests.tp_harness import load_runner
@@ -200,3 +200,25 @@ def test_masks_filled_by_several_threads_equal_one_by_one(smol_pkg):
     allowed = torch.isfinite(logits[1])
     assert torch.equal(allowed, torch.isfinite(logits[3]))
     assert allowed[-1].all() and not allowed[:-1].all(dim=1).any()
+
+
+def test_the_compiler_built_beside_start_up_and_a_failed_build_left_to_the_first_grammar(
+    smol_pkg, tmp_path, caplog
+):
+    """A rank builds its grammar compiler in a thread that it joins before Ready (a thread left
+    running after Ready took the interpreter from the step loop). A build that fails there is
+    logged, and the first grammar raises its reason."""
+    pkg = open_package(smol_pkg)
+    eos, vocab = list(pkg.manifest.tokenizer.eos_token_ids), pkg.spec.padded_vocab_size
+    masks = GrammarMasks(pkg.tokenizer_dir, eos, vocab, 8, torch.device("cpu"))
+    masks.warm_async().join()
+    assert masks._compiler is not None
+    grammar = wire_pb2.Grammar(json_schema=json.dumps(SCHEMAS[1]), num_prompt_tokens=3)
+    assert masks.start(grammar).compiled.result(timeout=60) is not None
+
+    broken = GrammarMasks(tmp_path / "no-tokenizer", eos, vocab, 8, torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="runtime.grammar"):
+        broken.warm_async().join()
+    assert "building the grammar compiler failed" in caplog.text
+    with pytest.raises(GrammarError):
+        broken.start(grammar).compiled.result(timeout=60)
