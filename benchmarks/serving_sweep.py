@@ -474,7 +474,9 @@ def served(args) -> Iterator[tuple[str, int]]:
     extra = shlex.split(args.serve_args)
     extra += [] if "--device" in extra else ["--device", args.device]
     cmd = [sys.executable, "-m", "orbit", "serve", str(args.serve), "--port", str(port), *extra]
-    log_path = Path(tempfile.mkdtemp(prefix="orbit-serve-")) / "serve.log"
+    log_path = getattr(args, "serve_log", None) or (
+        Path(tempfile.mkdtemp(prefix="orbit-serve-")) / "serve.log"
+    )
     print(f"starting {shlex.join(cmd)} (log: {log_path})", file=sys.stderr, flush=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -825,6 +827,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--serve", type=Path, metavar="PACKAGE", help="start orbit serve on it")
     server.add_argument("--serve-args", default="", help="more `orbit serve` arguments")
     server.add_argument("--ready-timeout", type=float, default=900.0, help="seconds, --serve")
+    server.add_argument("--serve-log", type=Path, help="--serve: its log here (default: a temp dir)")
     server.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     server.add_argument("--model", help="model name (default: the server's first)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))

@@ -190,9 +190,9 @@ def fp8_rowwise_mm(
 
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if x.shape[0]:
-            triton_kernels.few_rows_mm(xq, w, None, out, (64, 256, 4, 4), xs=xs, ws=scale)
-    else:
-        out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+            triton_kernels.few_rows_mm(xq, w, bias, out, (64, 256, 4, 4), xs=xs, ws=scale)
+        return out
+    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 

@@ -89,14 +89,17 @@ def _quantized_activations(x: torch.Tensor, group: int) -> torch.Tensor:
 def test_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, report):
     g, w8, scale, w = _weights(n, k, quant, 2)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
     if quant.scheme == "fp8-block":
-        got = cuda_ops.fp8_block_mm(x, w8, scale, quant.block, None)
+        got, with_bias = (cuda_ops.fp8_block_mm(x, w8, scale, quant.block, b) for b in (None, bias))
         xq = _quantized_activations(x, quant.block[1])
     else:
-        got = cuda_ops.fp8_rowwise_mm(x, w8, scale, None)
+        got, with_bias = (cuda_ops.fp8_rowwise_mm(x, w8, scale, b) for b in (None, bias))
         xq = _quantized_activations(x, k)
     assert got.shape == (tokens, n) and got.dtype == torch.bfloat16
     assert rel_error(got.float(), xq @ w.T) <= TOL
+    # few rows add the bias in the kernel's epilogue, more rows after cuBLASLt's product
+    assert rel_error(with_bias.float(), xq @ w.T + bias.float()) <= TOL
     report(
         "fp8_gemm_activation_rounding",
         n=n,
