@@ -53,9 +53,13 @@ def _finish(rank: int, tp: int, out_path: str) -> None:
     os._exit(0)
 
 
-def _spawn(fn, args: tuple, tp: int, out_path: Path) -> None:
+def _spawn(fn, args: tuple, tp: int, out_path: Path, store: str) -> None:
     """Run fn on tp spawned processes; an abort after every rank finished its work is not
     a failure of that work (see `_finish`), any other exit is."""
+    # An earlier run's into the same directory; its ranks left through os._exit, so nothing
+    # removed its file store, and a group never forms over a used one.
+    for stale in (Path(store), out_path, *(Path(f"{out_path}.done{r}") for r in range(tp))):
+        stale.unlink(missing_ok=True)
     try:
         mp.start_processes(fn, args=args, nprocs=tp, join=True, start_method="spawn")
     except mp.ProcessExitedException:
@@ -119,7 +123,11 @@ def run_tp(
     out = tmp / f"result-tp{tp}.json"
     store = str(tmp / f"store-tp{tp}")
     _spawn(
-        _worker, (tp, store, str(package_dir), prompts, max_new, chunk, str(out), kv_dtype), tp, out
+        _worker,
+        (tp, store, str(package_dir), prompts, max_new, chunk, str(out), kv_dtype),
+        tp,
+        out,
+        store,
     )
     return json.loads(out.read_text())
 
@@ -155,5 +163,11 @@ def score_tp(
     """Sum of log p(tokens[i + 1] | tokens[:i + 1]) on `tp` processes (rank 0's)."""
     out = tmp / f"score-tp{tp}.json"
     store = str(tmp / f"score-store-tp{tp}")
-    _spawn(_score_worker, (tp, store, str(package_dir), tokens, chunk, str(out), kv_dtype), tp, out)
+    _spawn(
+        _score_worker,
+        (tp, store, str(package_dir), tokens, chunk, str(out), kv_dtype),
+        tp,
+        out,
+        store,
+    )
     return json.loads(out.read_text())
