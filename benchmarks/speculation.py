@@ -11,9 +11,9 @@
   honoured, each alone in turn and then all at once; tokens/s, and whether the outputs are
   identical.
 - `batch`: the same engine over a package, --users concurrent streams of random 512-token
-  prompts and 256 new tokens (EOS ignored), off/on/off/on: output tokens/s (adaptive k must keep
-  speculation from costing throughput when proposals fail); n-gram proposals, or the draft
-  proposer with --draft.
+  prompts and 256 new tokens (EOS ignored), off/on/off/on (each off/on pair on the same prompts):
+  output tokens/s (adaptive k must keep speculation from costing throughput when proposals
+  fail); n-gram proposals, or the draft proposer with --draft.
 - `draft`: --package at batch 1 with rank 0 drafting from --draft (a small random model with
   its tokenizer): greedy decode of --new-tokens after a --prompt-tokens prompt, speculation off
   and then the draft proposer with k = 1, 2, 4 fixed (no adaptation, no pauses: every step
@@ -294,8 +294,7 @@ async def batch_part(args) -> dict:
     method = "draft" if args.draft else "ngram"
     report["method"] = method
     async with local_ranks(pkg, args.device, args.kv_pages, draft=args.draft) as link:
-        salt = 0
-        for _ in range(2):
+        for salt in (0, 2 * args.users):  # off and on draw the same prompts in a round
             for spec in (None, SpeculationConfig(method, num_tokens=args.spec_tokens)):
                 key = "on" if spec else "off"
                 config = replace(engine_config(pkg, overlap=True), speculation=spec)
@@ -311,7 +310,6 @@ async def batch_part(args) -> dict:
                         prompt(pkg, args.prompt_tokens, salt=salt + i)
                         for i in range(2 * args.users)
                     ]
-                    salt += 2 * args.users
                     t0 = time.perf_counter()
                     tokens = sum(await asyncio.gather(*(one(engine, r) for r in requests)))
                     rate = round(tokens / (time.perf_counter() - t0), 1)

@@ -6,11 +6,15 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+# Far above any run here (at most minutes on a 2-core VM), far below CI's limit.
+RUN_TIMEOUT_S = 600.0
 
 
 def free_port() -> int:
@@ -60,8 +64,14 @@ def _spawn(fn, args: tuple, tp: int, out_path: Path, store: str) -> None:
     # removed its file store, and a group never forms over a used one.
     for stale in (Path(store), out_path, *(Path(f"{out_path}.done{r}") for r in range(tp))):
         stale.unlink(missing_ok=True)
+    group = mp.start_processes(fn, args=args, nprocs=tp, join=False, start_method="spawn")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     try:
-        mp.start_processes(fn, args=args, nprocs=tp, join=True, start_method="spawn")
+        while not group.join(timeout=1.0):
+            if time.monotonic() > deadline:  # a hung group must fail its test, not stall CI
+                for process in group.processes:
+                    process.kill()
+                raise TimeoutError(f"{tp} ranks did not finish within {RUN_TIMEOUT_S:.0f} s")
     except mp.ProcessExitedException:
         if not all(Path(f"{out_path}.done{r}").exists() for r in range(tp)):
             raise
