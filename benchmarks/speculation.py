@@ -138,6 +138,7 @@ def spec_metrics(engine) -> dict:
         "accepted": s.spec_kept,
         "verifications": rows,
         "mean_acceptance_length": round(s.spec_tokens / rows, 3) if rows else 0.0,
+        "waits": s.spec_waits,
     }
 
 

@@ -194,6 +194,7 @@ class Scheduler:
         # For /metrics: proposal tokens sent (chained rows' guesses too) and kept, verification
         # rows applied, and the tokens those rows gave.
         self.spec_proposed = self.spec_kept = self.spec_verifications = self.spec_tokens = 0
+        self.spec_waits = 0  # decodes held back a step to propose after a token being drawn
         # The draft proposer's recent acceptance, and the step before which no sequence asks
         # for drafts (DRAFT_MIN_RATE).
         self.draft_rate, self._draft_rows = DRAFT_MIN_RATE, 0  # (the first rows decide)
@@ -338,10 +339,11 @@ class Scheduler:
             if s.verifying:  # (a chain is one deep: two steps in flight at most)
                 if len(s.verifying) == 1 and s.pending == 1:
                     out.append(s)
-            elif self._uncomputed(s) == 1 and not (
-                s.pending and s.spec is not None and self._waits_to_propose(s)
-            ):
-                out.append(s)
+            elif self._uncomputed(s) == 1:
+                if s.pending and s.spec is not None and self._waits_to_propose(s):
+                    self.spec_waits += 1  # left out of this step, to propose after its draw
+                else:
+                    out.append(s)
         return out
 
     def _chain(self, seq: Sequence, room: int, step_id: int) -> SeqChunk | None:

@@ -215,7 +215,7 @@ def test_a_sequence_that_cannot_match_is_planned_ahead_from_its_first_decode():
         sched.apply(*in_flight.pop(0))
     assert seq.output_ids == [1000 + p for p in range(10, 40)]
     assert rows and all(rows)  # every decode was planned ahead
-    assert sched.spec_verifications == 0 and seq.spec.misses == 0
+    assert sched.spec_verifications == 0 and seq.spec.misses == 0 and sched.spec_waits == 0
     assert NgramIndex(range(2, 4)).may_follow() is False
     index = NgramIndex(range(2, 4))
     index.extend([1, 2, 3, 1])
@@ -349,3 +349,26 @@ def test_a_draft_that_is_right_is_never_gated():
     assert outputs == [out for out, _ in without]
     assert sched.spec_kept == sched.spec_proposed > 0
     assert sched.draft_gate_until == 0 and asked > 0
+
+
+def test_a_sequence_whose_last_token_occurred_before_waits_and_is_counted():
+    """A decode whose last token (being drawn) could start a match is held back one step to
+    propose after it, and the scheduler counts each such wait (orbit_spec_waits_total)."""
+    sched = Scheduler(_config(SPEC))
+    rank = RankModel(4)
+    seq = Sequence(1, list(range(10, 20)), 12, SamplingParams())
+    sched.add(seq)
+    in_flight, held = [], 0
+    while sched.has_work or in_flight:
+        ahead = len(in_flight) == 1 and seq.num_computed > 0 and not seq.verifying
+        waits = sched.spec_waits
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if ahead and (step is None or all(c.seq is not seq for c in step.chunks)):
+            held += 1
+            assert sched.spec_waits == waits + 1
+        if step is not None:
+            in_flight.append((step, rank.run(step, lambda s, pos: 10 + pos % 3)))
+            continue
+        sched.apply(*in_flight.pop(0))
+    assert seq.output_ids == [10 + p % 3 for p in range(10, 22)]
+    assert held > 0 and sched.spec_waits == held

@@ -109,6 +109,7 @@ def test_outputs_with_speculation_equal_outputs_without(tp, tiny_checkpoints, pa
     proposed = metrics["orbit_spec_proposed_tokens_total"]
     assert proposed >= metrics["orbit_spec_accepted_tokens_total"] > 0
     assert metrics["orbit_spec_mean_acceptance_length"] > 1
+    assert metrics["orbit_spec_waits_total"] > 0  # the prompts repeat: decodes wait to propose
     assert metrics["orbit_preemptions_total"] > 0
     assert metrics["orbit_kv_pages_in_use"] == 0
 

@@ -283,6 +283,9 @@ class Engine:
                 "# HELP orbit_spec_mean_acceptance_length Output tokens per verification row.",
                 "# TYPE orbit_spec_mean_acceptance_length gauge",
                 f"orbit_spec_mean_acceptance_length {mean:.6f}",
+                "# HELP orbit_spec_waits_total Decodes held back a step to propose after a draw.",
+                "# TYPE orbit_spec_waits_total counter",
+                f"orbit_spec_waits_total {s.spec_waits}",
             ]
         if self.link is not None:
             lines += [
