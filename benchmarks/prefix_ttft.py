@@ -27,25 +27,14 @@ from types import SimpleNamespace
 
 import httpx
 
-from benchmarks.serving_sweep import prompt_ids, served, served_model
+from benchmarks.serving_sweep import first_data_s, prompt_ids, served, served_model
 
 _SPLIT = re.compile(r"tokens_in=(\d+) .*ttft=([\d.]+)ms\(([^)]*)\)")
 
 
 async def _ttft_s(client: httpx.AsyncClient, url: str, model: str, ids: list[int]) -> float:
-    body = json.dumps(
-        {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "ignore_eos": True}
-    )
-    headers = {"Content-Type": "application/json", "Authorization": "Bearer unused"}
-    sent, first = time.perf_counter(), None
-    async with client.stream("POST", f"{url}/v1/completions", content=body, headers=headers) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():  # to the end: the next request runs alone
-            if first is None and line.startswith("data:"):
-                first = time.perf_counter() - sent
-    if first is None:
-        raise RuntimeError("a stream ended without a data line")
-    return first
+    body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "ignore_eos": True}
+    return await first_data_s(client, url, "unused", body)
 
 
 async def _groups(url: str, model: str, args) -> dict[str, list[float]]:

@@ -709,25 +709,36 @@ def exact_text(job: ClientJob, num_tokens: int, salt: int) -> str:
     raise SweepError(f"no text of exactly {num_tokens} tokens found (salt {salt})")
 
 
+async def first_data_s(client: httpx.AsyncClient, url: str, api_key: str, body: dict) -> float:
+    """Seconds from sending a streamed /v1/completions (body encoded before the clock starts)
+    to its first `data:` line; the stream is read to its end, so a next request runs alone. A
+    failed request raises."""
+    content = json.dumps(body)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    sent, first = time.perf_counter(), None
+    async with client.stream(
+        "POST", f"{url}/v1/completions", content=content, headers=headers
+    ) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if first is None and line.startswith("data:"):
+                first = time.perf_counter() - sent
+    if first is None:
+        raise SweepError("a stream ended without a data line")
+    return first
+
+
 async def raw_ttfts_s(job: ClientJob, prompt_tokens: int, count: int) -> list[float]:
     """Seconds from sending each streamed request to its first `data:` line; a failed request
     raises (the probe is alone on the server: nothing should fail)."""
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {job.api_key}"}
     times = []
     async with httpx.AsyncClient(timeout=job.timeout_s) as client:
         for i in range(count):
-            body = json.dumps({
+            body = {
                 "model": job.model, "prompt": prompt_ids(prompt_tokens, 2 * 10**7 + i, job.vocab_size),
                 "max_tokens": 2, "temperature": job.temperature, "stream": True, "ignore_eos": True,
-            })  # fmt: skip
-            sent = time.perf_counter()
-            async with client.stream("POST", f"{job.url}/v1/completions", content=body,
-                                     headers=headers) as response:  # fmt: skip
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if line.startswith("data:"):
-                        times.append(time.perf_counter() - sent)
-                        break
+            }  # fmt: skip
+            times.append(await first_data_s(client, job.url, job.api_key, body))
     return times
 
 
@@ -827,7 +838,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     server.add_argument("--serve", type=Path, metavar="PACKAGE", help="start orbit serve on it")
     server.add_argument("--serve-args", default="", help="more `orbit serve` arguments")
     server.add_argument("--ready-timeout", type=float, default=900.0, help="seconds, --serve")
-    server.add_argument("--serve-log", type=Path, help="--serve: its log here (default: a temp dir)")
+    server.add_argument(
+        "--serve-log", type=Path, help="--serve: its log here (default: a temp dir)"
+    )
     server.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     server.add_argument("--model", help="model name (default: the server's first)")
     server.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "unused"))
