@@ -72,44 +72,49 @@ class SpeculationConfig:
 @dataclass
 class NgramIndex:
     """A copy of a sequence's tokens and where each of their n-grams (n in `sizes`) last ended,
-    indexed up to (not including) the current end, so the suffix never finds itself. Appending
-    a token costs one dict store (where its 1-gram last ended, all `may_follow` needs); the
-    n-grams are indexed in bulk when a proposal is asked for."""
+    indexed up to (not including) the current end, so the suffix never finds itself. Indexed
+    when asked (`may_follow`, `propose`): a token at a time by a short loop, a prompt in bulk."""
 
     sizes: range  # the n-gram lengths looked up
     tokens: list[int] = field(default_factory=list)
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # `ends` holds the n-grams ending before this position
-    single_ends: dict[int, int] = field(default_factory=dict)  # token -> where it last ended
 
     def extend(self, new_tokens: list[int]) -> None:
         """Append the sequence's tokens since the last call."""
-        tokens, single = self.tokens, self.single_ends
-        start = len(tokens)
-        tokens += new_tokens
-        for e in range(max(start, 1), len(tokens)):
-            single[tokens[e - 1]] = e
+        self.tokens += new_tokens
 
     def _index(self) -> None:
-        """Bring `ends` up to the current end, in C rather than a Python loop (0.4 ms for a
-        512-token prompt on a 2-core VM): a wave of new sequences pays it on the step loop."""
-        tokens, start = self.tokens, self.indexed
+        """Bring `ends` up to the current end. A prompt's n-grams go in through zip, in C rather
+        than a Python loop (0.4 ms for a 512-token prompt on a 2-core VM: a wave of new
+        sequences pays it on the step loop); a decode's one or two new positions by a loop."""
+        tokens, start, ends = self.tokens, self.indexed, self.ends
         last = len(tokens) - 1  # n-grams ending at e in [start, last] are new (e < the end)
-        for n in self.sizes:
-            lo = max(start, n)
-            if lo <= last:
-                grams = zip(*(tokens[lo - n + i : last - n + i + 1] for i in range(n)))
-                self.ends.update(zip(grams, range(lo, last + 1)))
+        if last - start < 4:
+            for e in range(start, last + 1):
+                for n in self.sizes:
+                    if n <= e:
+                        ends[tuple(tokens[e - n : e])] = e
+        else:
+            for n in self.sizes:
+                lo = max(start, n)
+                if lo <= last:
+                    grams = zip(*(tokens[lo - n + i : last - n + i + 1] for i in range(n)))
+                    ends.update(zip(grams, range(lo, last + 1)))
         self.indexed = max(start, last + 1)
 
     def may_follow(self) -> bool:
-        """Whether a match is possible once one more token is known: the shortest n-gram then
-        ends with that token, so its first n - 1 tokens, the current suffix, must have occurred
-        before with something after them. Answered for the 2-grams (the default shortest);
-        with longer shortest n-grams, always True."""
-        if self.sizes[0] != 2:
-            return True
-        return bool(self.tokens) and self.tokens[-1] in self.single_ends
+        """Whether the sequence's known tail repeats earlier text: its last `sizes[0]` tokens
+        (the shortest n-gram) occurred before, with a token after them. Then the next token,
+        once known, likely continues that match, so a proposal after it is worth waiting a
+        step for. Text that merely reuses a token (every "the", every comma) does not repeat
+        this way, so outputs that never copy never wait (a wait costs a sequence its step at
+        large batches)."""
+        n = self.sizes[0]
+        if len(self.tokens) <= n:
+            return False
+        self._index()
+        return tuple(self.tokens[-n:]) in self.ends
 
     def propose(self, new_tokens: list[int], k: int) -> list[int]:
         """Append the sequence's tokens since the last call; then up to k tokens that followed

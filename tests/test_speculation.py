@@ -185,7 +185,7 @@ def test_a_sequence_whose_proposals_fail_pauses_and_is_planned_ahead_again():
             continue
         sched.apply(*in_flight.pop(0))
     assert seq.output_ids == [draw(seq, p) for p in range(7, 207)]
-    assert 0 < sched.spec_kept < sched.spec_proposed / 2
+    assert sched.spec_proposed > 0 and sched.spec_kept < sched.spec_proposed / 2
     assert ahead > decodes / 2  # most of its steps were planned ahead, without proposals
 
 
@@ -219,7 +219,9 @@ def test_a_sequence_that_cannot_match_is_planned_ahead_from_its_first_decode():
     assert NgramIndex(range(2, 4)).may_follow() is False
     index = NgramIndex(range(2, 4))
     index.extend([1, 2, 3, 1])
-    assert index.may_follow()  # [1, next] may repeat [1, 2]
+    assert not index.may_follow()  # a token seen before, but its tail [3, 1] never occurred
+    index.extend([2])
+    assert index.may_follow()  # the tail [1, 2] occurred, followed by 3: it may go on so
     index.extend([5])
     assert not index.may_follow()
 
@@ -262,14 +264,16 @@ def test_the_scheduler_benchmark_compares_both_modes():
 
 def test_the_replay_benchmark_counts_what_the_proposer_keeps():
     """benchmarks.speculation's replay over an output that copies its prompt: with k fixed,
-    every decode step after the first verifies k proposals and keeps them all; with adaptive
-    k and an output that never repeats, nothing is proposed and the sequence stops waiting."""
+    once its tail repeats the prompt (after the first decode step), every step verifies k
+    proposals and keeps them all; with adaptive k and an output that never repeats, nothing is
+    proposed and the sequence never waits."""
     from benchmarks.speculation import replay
 
     prompt = list(range(100, 160))
     fixed = replay(SpeculationConfig(num_tokens=4, ngram_min=1, adaptive=False), prompt, prompt)
-    assert fixed["rows"] == fixed["steps"] == fixed["waits"] == 12  # 59 tokens: 11 x 5, 4
-    assert fixed["kept"] == fixed["proposed"] == 4 * 11 + 3
+    # 59 tokens: one plain step (the prompt's last token never occurred before), then 11 x 5, 3
+    assert fixed["rows"] == fixed["waits"] == fixed["steps"] - 1 == 12
+    assert fixed["kept"] == fixed["proposed"] == 4 * 11 + 2
     fresh = list(range(1000, 1200))
     adaptive = replay(SpeculationConfig(num_tokens=4), prompt, fresh)
     assert adaptive["rows"] == adaptive["proposed"] == 0
