@@ -200,6 +200,13 @@ def serve(
     kv_pages: Annotated[int, typer.Option(help="KV pages per rank; 0 sizes from memory.")] = 0,
     kv_dtype: Annotated[str, typer.Option(help=_KV_DTYPE_HELP)] = "auto",
     max_queue: Annotated[int, typer.Option(help="Queued requests beyond this get 429.")] = 1024,
+    stream_interval: Annotated[
+        int,
+        typer.Option(
+            help="Stream each response's tokens in groups of this many (the first and last at "
+            "once): less CPU per token at many streams, coarser streaming."
+        ),
+    ] = 1,
     prefix_cache: Annotated[
         bool,
         typer.Option(help="Reuse the KV of prompt prefixes that earlier requests computed."),
@@ -299,6 +306,8 @@ def serve(
     from orbit.serve_checks import EarlyChecks, ServeArgError, early_checks
 
     api_key = _api_key(api_key, api_key_file, api_key_env)
+    if stream_interval < 1:
+        fail(f"--stream-interval must be 1 or more, not {stream_interval}.")
     speculation = _speculation(speculate, spec_tokens, draft, cluster)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
@@ -330,6 +339,7 @@ def serve(
         drain_timeout_s=drain_timeout,
         trusted_keys=tuple(trusted_key or ()),
         max_queue=max_queue,
+        stream_interval=stream_interval,
         prefix_cache=prefix_cache,
         speculation=speculation,
         cluster=cluster,

@@ -70,6 +70,7 @@ class ServeOptions:
     log_dir: Path | None = None
     trusted_keys: tuple[Path, ...] = ()  # non-empty: the package must be signed by one
     max_queue: int = 1024  # waiting requests beyond this get 429
+    stream_interval: int = 1  # tokens a stream's writes carry (EngineConfig.stream_interval)
     prefix_cache: bool = True
     speculation: SpeculationConfig | None = None  # speculative decoding; None: off
     # cluster.toml of ranks that `orbit up` started: attach to them instead of starting local
@@ -101,6 +102,7 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
             max_step_tokens=caps.max_step_tokens,
             eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
             max_queue=opts.max_queue,
+            stream_interval=opts.stream_interval,
             prefix_cache=opts.prefix_cache,
             speculation=opts.speculation,
             cache_salt=bytes.fromhex(pkg.digest),

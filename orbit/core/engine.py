@@ -81,6 +81,14 @@ class EngineConfig:
     cache_salt: bytes = b""
     # Speculative decoding (runtime/speculation.py); None: off.
     speculation: SpeculationConfig | None = None
+    # A sequence's tokens go to its owner once this many have gathered (its first token, its
+    # last and an error at once): above 1, each API server handles and writes a stream once
+    # per that many tokens instead of every step, for less CPU per token at many streams.
+    stream_interval: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream interval must be 1 or more, got {self.stream_interval}")
 
     @property
     def max_steps_in_flight(self) -> int:
@@ -106,6 +114,8 @@ class _Owner:
     sent_at: float = 0.0  # when the API server sent it (its monotonic clock, this host's)
     arrived_s: float = 0.0  # when the core took it (time.monotonic)
     planned_s: float | None = None  # when the plan of its first step went to the ranks
+    held: int = 0  # its latest tokens not yet delivered (EngineConfig.stream_interval)
+    held_samples: list = field(default_factory=list)  # their samples, when it wants logprobs
 
 
 class _Queues(Sink):
@@ -476,25 +486,33 @@ class Engine:
             if s.error:
                 self._sample_failed(s)
         drafted = {s.seq_id: s.proposals for s in result.samples if s.proposals}
-        owners, by_sink = self._owners, {}
+        owners, by_sink, interval = self._owners, {}, self.config.stream_interval
         for seq in self.scheduler.apply(step, tokens, drafted):
             owner = owners.get(seq.seq_id)
             if owner is None:
                 continue
+            new = seq.new_tokens
+            if owner.logprobs:
+                picked = samples[seq.seq_id]
+                owner.held_samples += picked[:new] if verifies else (picked,)
+            n = owner.held = owner.held + new
+            first = len(seq.output_ids) == n
+            if n < interval and not first and seq.finish_reason is None:
+                continue
             outputs = by_sink.get(owner.sink)
             if outputs is None:
                 outputs = by_sink[owner.sink] = core_pb2.StepOutputs()
-            n = seq.new_tokens
             ids = (seq.output_ids[-1],) if n == 1 else seq.output_ids[-n:]
             out = outputs.outputs.add(seq_key=owner.key, token_ids=ids)
-            if len(seq.output_ids) == n:
+            owner.held = 0
+            if first:
                 out.cached_tokens = seq.cached_tokens or 0
                 _first_token_timing(out.first_token, owner, result)
             if owner.logprobs:
-                picked = samples[seq.seq_id]
-                for s in picked[:n] if verifies else (picked,):
+                for s in owner.held_samples:
                     out.logprobs.append(s.logprob)
                     out.top.add(token_ids=s.top_token_ids, logprobs=s.top_logprobs)
+                owner.held_samples.clear()
             if seq.finish_reason is not None:
                 out.finish = _FINISH[seq.finish_reason]
                 del owners[seq.seq_id]

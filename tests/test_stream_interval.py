@@ -1,0 +1,101 @@
+"""`--stream-interval N`: a sequence's tokens reach its owner in groups of N (its first token
+and its last at once), the same tokens, logprobs and finish as one at a time. Real rank
+processes (CPU) behind the engine core in this process, then a real `orbit serve` through the
+official client, stop strings included."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import openai
+import pytest
+
+from benchmarks.step_overhead import engine_config, local_ranks, running_engine
+from proto import core_pb2, wire_pb2
+from runtime.package import open_package
+from tests.server import ServerProcess
+
+PROMPTS = [[(300 + 17 * i + 101 * j) % 4000 for j in range(5 + 7 * i)] for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def pkg_path(tiny_checkpoints, package_cache):
+    return package_cache(tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=4)
+
+
+async def _outputs(engine, prompt, params, max_tokens):
+    return [out async for out in engine.generate(prompt, max_tokens, params, ignore_eos=False)]
+
+
+def _run_both(pkg, eos: int):
+    """Every prompt's outputs with interval 1 and 5, all at once (greedy; seeded sampling with
+    top logprobs), with an EOS token that some draw mid-stream."""
+    params = [
+        wire_pb2.SamplingParams(temperature=0, num_logprobs=-1),
+        wire_pb2.SamplingParams(temperature=0.9, seed=7, num_logprobs=2),
+    ]
+
+    async def main():
+        runs = {}
+        async with local_ranks(pkg, "cpu", 256) as link:
+            for interval in (1, 5):
+                config = dataclasses.replace(
+                    engine_config(pkg, overlap=True),
+                    eos_token_ids=(eos,),
+                    stream_interval=interval,
+                )
+                async with running_engine(config, link) as engine:
+                    runs[interval] = await asyncio.gather(
+                        *(_outputs(engine, p, params[i % 2], 23 + i) for i, p in enumerate(PROMPTS))
+                    )
+        return runs
+
+    return asyncio.run(main())
+
+
+def _flat(outputs):
+    return (
+        [t for o in outputs for t in o.token_ids],
+        [lp for o in outputs for lp in o.logprobs],
+        [list(t.token_ids) for o in outputs for t in o.top],
+        outputs[-1].finish,
+    )
+
+
+def test_grouped_outputs_carry_the_same_tokens_logprobs_and_finish(pkg_path):
+    pkg = open_package(pkg_path)
+    # an EOS that one request draws mid-stream: found with the interval-1 run of an arbitrary
+    # token first, then the runs that count
+    probe = _run_both(pkg, eos=-1)[1]
+    eos = _flat(probe[0])[0][9]
+    runs = _run_both(pkg, eos)
+    finishes = []
+    for one, grouped in zip(runs[1], runs[5]):
+        assert _flat(grouped) == _flat(one)
+        sizes = [len(o.token_ids) for o in grouped]
+        assert all(len(o.logprobs) in (0, len(o.token_ids)) for o in grouped)
+        assert sizes[0] == 1 and all(n == 5 for n in sizes[1:-1]) and 1 <= sizes[-1] <= 5
+        assert len(grouped) < len(one) or len(one) <= 2
+        assert all(o.finish == core_pb2.FINISH_NONE for o in grouped[:-1])
+        finishes.append(grouped[-1].finish)
+    assert core_pb2.FINISH_STOP in finishes and core_pb2.FINISH_LENGTH in finishes
+
+
+def test_a_server_streams_in_groups_and_stops_at_a_stop_string(pkg_path):
+    with ServerProcess(pkg_path, "--kv-pages", "256") as plain:
+        client = openai.OpenAI(base_url=plain.url + "/v1", api_key="unused", max_retries=0)
+        model = client.models.list().data[0].id
+        ask = {"model": model, "prompt": PROMPTS[2], "max_tokens": 40, "temperature": 0}
+        text = client.completions.create(**ask).choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    with ServerProcess(pkg_path, "--kv-pages", "256", "--stream-interval", "4") as grouped:
+        client = openai.OpenAI(base_url=grouped.url + "/v1", api_key="unused", max_retries=0)
+        chunks = list(client.completions.create(**ask, stream=True))
+        pieces = [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(pieces) == text
+        assert len([p for p in pieces if p]) <= 2 + 40 // 4
+        stopped = list(client.completions.create(**ask, stop=[stop], stream=True))
+        assert "".join(c.choices[0].text for c in stopped if c.choices) == text[: text.index(stop)]
+        assert stopped[-1].choices[0].finish_reason == "stop"
