@@ -116,7 +116,9 @@ def main() -> None:
     app()
 
 
-def _speculation(method: str, num_tokens: int, draft: Path | None, cluster: Path | None):
+def _speculation(
+    method: str, num_tokens: int, ngram_min: int, draft: Path | None, cluster: Path | None
+):
     from runtime.speculation import SpeculationConfig
 
     if draft is not None and cluster is not None:
@@ -130,12 +132,19 @@ def _speculation(method: str, num_tokens: int, draft: Path | None, cluster: Path
             "(--speculate ngram needs no draft)."
         )
     _check_draft_path(draft)
+    if ngram_min != 2 and method != "ngram":
+        fail(f"--ngram-min is for --speculate ngram, not {method}; drop it or pass that.")
     if method == "off":
         return None
     try:
-        return SpeculationConfig(method=method, num_tokens=num_tokens)
+        return SpeculationConfig(
+            method=method,
+            num_tokens=num_tokens,
+            ngram_min=ngram_min,
+            ngram_max=max(SpeculationConfig.ngram_max, ngram_min),
+        )
     except ValueError as e:
-        fail(f"--speculate/--spec-tokens: {e}.")
+        fail(f"--speculate/--spec-tokens/--ngram-min: {e}.")
 
 
 def _check_draft_path(draft: Path | None) -> None:
@@ -228,6 +237,13 @@ def serve(
     spec_tokens: Annotated[
         int, typer.Option(help="Speculative decoding: the most proposals per step, 1 to 16.")
     ] = 4,
+    ngram_min: Annotated[
+        int,
+        typer.Option(
+            help="--speculate ngram: the shortest suffix a proposal matches (longer are surer; "
+            "3 suits copying long passages)."
+        ),
+    ] = 2,
     threads: Annotated[
         int, typer.Option(help="torch threads per CPU rank; 0: (cores - 1) / ranks, at least 1.")
     ] = 0,
@@ -308,7 +324,7 @@ def serve(
     api_key = _api_key(api_key, api_key_file, api_key_env)
     if stream_interval < 1:
         fail(f"--stream-interval must be 1 or more, not {stream_interval}.")
-    speculation = _speculation(speculate, spec_tokens, draft, cluster)
+    speculation = _speculation(speculate, spec_tokens, ngram_min, draft, cluster)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)

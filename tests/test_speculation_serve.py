@@ -87,8 +87,12 @@ async def _workload(url: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_outputs_with_speculation_equal_outputs_without(tp, tiny_checkpoints, package_cache):
+@pytest.mark.parametrize(
+    ("tp", "spec_args"), [(1, ()), (2, ()), (1, ("--spec-tokens", "8", "--ngram-min", "3"))]
+)
+def test_outputs_with_speculation_equal_outputs_without(
+    tp, spec_args, tiny_checkpoints, package_cache
+):
     pkg = package_cache(
         tiny_checkpoints["llama"], tp, max_batch=8, kv_page_size=4, max_step_tokens=32
     )
@@ -96,7 +100,7 @@ def test_outputs_with_speculation_equal_outputs_without(tp, tiny_checkpoints, pa
         without = asyncio.run(_workload(off.url))
         assert "orbit_spec_proposed_tokens_total" not in off.metrics()
     # 40 pages of 4 tokens: five prompts of ~60 tokens with their outputs preempt.
-    with ServerProcess(pkg, "--kv-pages", "40", "--speculate", "ngram") as on:
+    with ServerProcess(pkg, "--kv-pages", "40", "--speculate", "ngram", *spec_args) as on:
         with_spec = asyncio.run(_workload(on.url))
         metrics = on.metrics()
     for kind in without.keys() - {"logprob_values"}:
