@@ -223,35 +223,62 @@ async def copy_part(args) -> dict:
 
 def replay(config: SpeculationConfig, prompt: list[int], output: list[int]) -> dict:
     """One greedy output through the n-gram proposer, decode step by decode step (the
-    prefill drew output[0]): whether the sequence waits to propose is decided while the
-    previous token is drawn (SpecState.may_propose_next), its proposals follow once it is
-    known, and a verification row yields its kept proposals and one draw."""
+    prefill drew output[0]), as the scheduler drives a sequence with two steps in flight: while
+    a plain row draws the sequence's next token, a sequence whose tail repeats gets a row
+    chained behind it (SpecState.may_propose_next) whose first token guesses that draw and
+    whose proposals follow the guess; a right guess keeps them, a wrong one voids the row (a
+    step without a token) and the sequence proposes after the token once it is known. The
+    verification row before a chained one is taken as settled when the next is planned (the
+    scheduler guesses its last draw, assuming every proposal kept), so a row that keeps less
+    costs no void step here."""
     spec, known, given = SpecState(config), prompt + output, 0
-    steps = waits = rows = proposed = kept = 0
+    steps = guesses = void = rows = proposed = kept = 0
 
     def unseen(end: int) -> list[int]:
         nonlocal given
         new, given = known[given:end], max(given, end)
         return new
 
-    pos = 1
+    def verify(proposals: list[int], at: int) -> int:
+        nonlocal rows, proposed, kept
+        n = num_kept(proposals, output[at:])
+        if proposals:
+            spec.verified(len(proposals), n)
+            rows, proposed, kept = rows + 1, proposed + len(proposals), kept + n
+        return n
+
+    pos, settled = 1, False  # settled: output[pos - 1] is known, no row in flight draws it
     while pos < len(output):
         steps += 1
+        left = len(output) - pos - 1  # proposals past this never fit max_tokens
         if not spec.active:
             spec.decoded(1)
+            pos, settled = pos + 1, False
+        elif settled:
+            pos, settled = (
+                pos + verify(spec.propose(unseen(len(prompt) + pos), left), pos) + 1,
+                False,
+            )
+        elif not spec.may_propose_next(unseen(len(prompt) + pos - 1)):
             pos += 1
-            continue
-        if not spec.may_propose_next(unseen(len(prompt) + pos - 1)):
-            pos += 1
-            continue
-        waits += 1
-        found = spec.propose(unseen(len(prompt) + pos), len(output) - pos - 1)
-        n = num_kept(found, output[pos:]) if found else 0
-        if found:
-            spec.verified(len(found), n)
-            rows, proposed, kept = rows + 1, proposed + len(found), kept + n
-        pos += n + 1
-    return {"steps": steps, "waits": waits, "rows": rows, "proposed": proposed, "kept": kept}
+        else:
+            found = spec.index.propose_after([], [], min(spec.k, left) + 1)
+            if not found:
+                pos += 1
+            elif found[0] != output[pos - 1]:
+                void, settled = void + 1, True
+                spec.missed()
+            else:
+                guesses += 1
+                pos += verify(found[1:], pos) + 1
+    return {
+        "steps": steps,
+        "guesses": guesses,
+        "void": void,
+        "rows": rows,
+        "proposed": proposed,
+        "kept": kept,
+    }
 
 
 async def replay_part(args) -> dict:

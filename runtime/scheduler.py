@@ -37,11 +37,12 @@ to the pool when it ends, cached ones as idle pages evicted least recently used.
 Speculative decoding (SchedulerConfig.speculation, runtime/speculation.py): a decoding sequence
 may be a verification row of its last known token and proposals, sampled after each token; apply()
 keeps the proposals equal to the draws before them plus the draw after the last, and rolls the
-sequence's computed length back to them. A verification row in flight may have the sequence's
-next row chained behind it (`_chain`), its first token a guess of that row's last draw; a wrong
-guess voids it. With the draft proposer, a row that samples asks the ranks for `draft`
-proposals after its last draw, with pages for the draft's KV of them; the sequence then waits
-for that row's result, which carries them, instead of chaining. docs/scheduler.md has the
+sequence's computed length back to them. A row in flight (a verification row, or a plain one of
+a sequence whose tail repeats earlier text) may have the sequence's next row chained behind it
+(`_chain`), its first token a guess of that row's last draw; a wrong guess voids it. With the
+draft proposer, a row that samples asks the ranks for `draft` proposals after its last draw,
+with pages for the draft's KV of them; the sequence then waits for that row's result, which
+carries them, instead of chaining. docs/scheduler.md has the
 rules.
 """
 
@@ -94,6 +95,9 @@ class Sequence:
     spec: SpecState | None = None  # its speculative decoding, when on and it has no grammar
     new_tokens: int = 0  # output tokens the last apply() gave it
     verifying: list[SeqChunk] = field(default_factory=list)  # its verification rows in flight
+    # Its latest one-token decode row without proposals (with speculation): what a row that
+    # guesses its draw can be chained behind (Scheduler._decoding).
+    plain_row: SeqChunk | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -257,11 +261,12 @@ class Scheduler:
             # row, and the step samples at most max_batch rows.
             later = len(decoding) - i
             room = min(budget - later, self.config.max_batch - extra - len(decoding))
-            if seq.verifying:
-                chunk = self._chain(seq, room, step_id)
-                if chunk is None:
+            chunk = self._chain(seq, room, step_id) if seq.verifying else None
+            if chunk is None and seq.verifying:
+                if seq.verifying[0].verifies:
                     continue  # it waits for its verification's result
-            else:
+                seq.verifying.clear()  # nothing to guess after its plain row: planned ahead
+            if chunk is None:
                 proposals = self._propose(seq, room) if seq.spec is not None else []
                 need = seq.num_computed + 1 + len(proposals)
                 if proposals and not self._reserve(seq, need, preempt=False):
@@ -271,6 +276,8 @@ class Scheduler:
                 chunk = self._chunk(seq, 1 + len(proposals), step_id, proposals)
                 if proposals:
                     seq.verifying.append(chunk)
+                elif seq.spec is not None:
+                    seq.plain_row = chunk
                 self._ask_draft(seq, chunk)
             chunks.append(chunk)
             budget -= chunk.num_tokens
@@ -341,10 +348,30 @@ class Scheduler:
                     out.append(s)
             elif self._uncomputed(s) == 1:
                 if s.pending and s.spec is not None and self._waits_to_propose(s):
-                    self.spec_waits += 1  # left out of this step, to propose after its draw
+                    if self._guesses(s):
+                        s.verifying.append(s.plain_row)  # _chain guesses the row's draw
+                        out.append(s)
+                    else:
+                        self.spec_waits += 1  # left out of this step, to propose after its draw
                 else:
                     out.append(s)
         return out
+
+    def _guesses(self, seq: Sequence) -> bool:
+        """Whether seq, whose tail repeats earlier text while its plain row in flight draws
+        its next token, gets a row chained behind that one instead of waiting for the draw:
+        the row's first token guesses the draw (what followed the tail where it occurred
+        before; right about nine times in ten where outputs copy, docs/performance.md), then
+        proposals after it. A wrong guess voids the row, which costs what a wait costs (the
+        step without a token), and a right one keeps two steps in flight."""
+        row = seq.plain_row
+        return (
+            row is not None
+            and not seq.spec.drafts
+            and row.sample
+            and row.incarnation == seq.num_preemptions
+            and row.start_pos + 1 == seq.num_computed  # the last row planned, still in flight
+        )
 
     def _chain(self, seq: Sequence, room: int, step_id: int) -> SeqChunk | None:
         """A verification row planned behind seq's one in flight, assuming that one keeps every
@@ -541,6 +568,8 @@ class Scheduler:
                 tokens = (sampled[seq.seq_id],)
                 if seq.spec is not None:
                     seq.spec.decoded(1)
+                    if seq.verifying and seq.verifying[0] is c:
+                        self._check_guess(c, tokens[0])
             updated.append(seq)
             reason = None
             for n, token in enumerate(tokens, 1):
@@ -559,6 +588,21 @@ class Scheduler:
             if reason:
                 self._finish(seq, reason)
         return updated
+
+    def _check_guess(self, c: SeqChunk, drawn: int) -> None:
+        """A plain row with a row chained behind it on a guess of its draw: a wrong guess voids
+        that row and rolls the sequence back to this row's token, and counts as a miss."""
+        seq = c.seq
+        seq.verifying.pop(0)
+        chained = seq.verifying[0] if seq.verifying else None
+        if chained is None or drawn == chained.guess:
+            return
+        chained.void = True
+        seq.verifying.clear()
+        seq.pending -= 1
+        seq.num_computed = c.start_pos + 1
+        self.spec_proposed += 1 + len(chained.proposals)
+        seq.spec.missed()
 
     def _at_length(self, seq: Sequence) -> bool:
         return len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len
@@ -581,7 +625,8 @@ class Scheduler:
                 seq.verifying.clear()
                 seq.pending -= 1
                 self.spec_proposed += 1 + len(chained.proposals)
-        seq.spec.verified(len(proposals), kept)
+        if proposals:  # (a chained row may be its guess alone)
+            seq.spec.verified(len(proposals), kept)
         if seq.spec.drafts and proposals:
             self._draft_verified(kept / len(proposals))
         guessed = c.guess is not None  # its guess proved right, or it would be void

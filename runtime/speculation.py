@@ -24,8 +24,11 @@ depends on it): all kept -> one more next time (up to the maximum),
 none kept -> half as many. A sequence that proposes nothing or keeps nothing `MISSES_TO_PAUSE`
 times in a row pauses: it decodes without proposals, planned ahead like any other, for 8 tokens;
 after a pause that nothing kept ended, one more miss starts the next, twice as long (capped).
-A sequence that waits for its last token in order to propose after it misses the step planned
-meanwhile, so fruitless waits cost it throughput.
+While a step in flight draws a sequence's last token, a sequence whose tail repeats earlier
+text gets a row chained behind that one whose first token guesses the draw; a wrong guess voids
+the row (the sequence loses that step) and counts as a miss. With nothing in flight to chain
+behind (a prefill chunk, the draft proposer) it waits for the token instead, which costs the
+same step.
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ class SpecState:
         else:
             found = self.index.propose(new_tokens, min(self.k, limit)) if limit > 0 else []
         if not found and limit > 0:
-            self._missed()
+            self.missed()
         return found
 
     def verified(self, proposed: int, kept: int) -> None:
@@ -195,13 +198,13 @@ class SpecState:
             self.misses = self.pauses = 0
             return
         self.k = max(self.k // 2, 1)
-        self._missed()
+        self.missed()
 
     def decoded(self, num_tokens: int) -> None:
         """Tokens decoded without proposals count down a pause."""
         self.pause = max(self.pause - num_tokens, 0)
 
-    def _missed(self) -> None:
+    def missed(self) -> None:
         if not self.config.adaptive:
             return
         self.misses += 1

@@ -85,7 +85,9 @@ class RankModel:
                 end = self.kv_len[sid]
                 draws = [next_token(c.seq, p) for p in range(end - len(c.proposals), end + 1)]
                 sampled[sid], self.last_token[sid] = draws, draws[-1]
-                self.verified_from.setdefault(sid, c.start_pos)
+                # (a row whose first token guesses a plain row's draw may be rolled back to
+                # its start: the guess is not a known token)
+                self.verified_from.setdefault(sid, c.start_pos - (c.guess is not None))
             elif c.sample:
                 sampled[sid] = self.last_token[sid] = next_token(c.seq, self.kv_len[sid])
         return sampled

@@ -264,20 +264,20 @@ def test_the_scheduler_benchmark_compares_both_modes():
 
 def test_the_replay_benchmark_counts_what_the_proposer_keeps():
     """benchmarks.speculation's replay over an output that copies its prompt: with k fixed,
-    once its tail repeats the prompt (after the first decode step), every step verifies k
-    proposals and keeps them all; with adaptive k and an output that never repeats, nothing is
-    proposed and the sequence never waits."""
+    once its tail repeats the prompt (after the first decode step), every step is a row
+    chained behind the one in flight, its guess right and its k proposals kept; with adaptive
+    k and an output that never repeats, nothing is guessed or proposed."""
     from benchmarks.speculation import replay
 
     prompt = list(range(100, 160))
     fixed = replay(SpeculationConfig(num_tokens=4, ngram_min=1, adaptive=False), prompt, prompt)
     # 59 tokens: one plain step (the prompt's last token never occurred before), then 11 x 5, 3
-    assert fixed["rows"] == fixed["waits"] == fixed["steps"] - 1 == 12
+    assert fixed["rows"] == fixed["guesses"] == fixed["steps"] - 1 == 12 and fixed["void"] == 0
     assert fixed["kept"] == fixed["proposed"] == 4 * 11 + 2
     fresh = list(range(1000, 1200))
     adaptive = replay(SpeculationConfig(num_tokens=4), prompt, fresh)
     assert adaptive["rows"] == adaptive["proposed"] == 0
-    assert adaptive["steps"] == len(fresh) - 1 and adaptive["waits"] == 0
+    assert adaptive["steps"] == len(fresh) - 1 and adaptive["guesses"] == adaptive["void"] == 0
 
 
 def _run_draft(prompts, max_tokens, propose):
@@ -355,24 +355,47 @@ def test_a_draft_that_is_right_is_never_gated():
     assert sched.draft_gate_until == 0 and asked > 0
 
 
-def test_a_sequence_whose_last_token_occurred_before_waits_and_is_counted():
-    """A decode whose last token (being drawn) could start a match is held back one step to
-    propose after it, and the scheduler counts each such wait (orbit_spec_waits_total)."""
+def test_a_repeating_tail_with_no_plain_row_in_flight_waits_and_is_counted():
+    """Right after its prefill a sequence whose prompt ends by repeating itself has no plain
+    row to chain a guess behind: its first decode waits one step for the first token, to
+    propose after it, and the scheduler counts the wait (orbit_spec_waits_total)."""
     sched = Scheduler(_config(SPEC))
     rank = RankModel(4)
-    seq = Sequence(1, list(range(10, 20)), 12, SamplingParams())
+    seq = Sequence(1, [7, 8, 9, 5, 7, 8], 6, SamplingParams())
     sched.add(seq)
-    in_flight, held = [], 0
+    prefill = sched.schedule()
+    assert sched.schedule() is None and sched.spec_waits == 1  # held back, counted
+    sched.apply(prefill, rank.run(prefill, lambda s, pos: 9))
+    step = sched.schedule()
+    assert step.chunks[0].proposals == [5, 7, 8, 9]  # after the first token, 9: [7, 8, 9] again
+    assert sched.spec_waits == 1
+
+
+def test_a_repeating_tail_chains_a_guess_behind_its_plain_row_instead_of_waiting():
+    """A decode whose tail repeats earlier text while its plain row in flight draws its next
+    token is not held back: a row chained behind that one guesses the draw (what followed the
+    tail before) and proposes after it. A right guess keeps both steps in flight, a wrong one
+    voids the row, and the output is exact either way."""
+
+    def draw(seq, pos):  # 10, 11, 12 repeating (as the prompt starts), broken every 11th
+        return 300 + pos if pos % 11 == 0 else 10 + pos % 3
+
+    sched = Scheduler(_config(SPEC))
+    rank = RankModel(4)
+    seq = Sequence(1, list(range(10, 20)), 60, SamplingParams())
+    sched.add(seq)
+    behind_plain, in_flight = [], []
     while sched.has_work or in_flight:
-        ahead = len(in_flight) == 1 and seq.num_computed > 0 and not seq.verifying
-        waits = sched.spec_waits
+        plain = seq.pending == 1 and not seq.verifying
         step = sched.schedule() if len(in_flight) < 2 else None
-        if ahead and (step is None or all(c.seq is not seq for c in step.chunks)):
-            held += 1
-            assert sched.spec_waits == waits + 1
         if step is not None:
-            in_flight.append((step, rank.run(step, lambda s, pos: 10 + pos % 3)))
+            behind_plain += [c for c in step.chunks if c.guess is not None and plain]
+            in_flight.append((step, rank.run(step, draw)))
             continue
         sched.apply(*in_flight.pop(0))
-    assert seq.output_ids == [10 + p % 3 for p in range(10, 22)]
-    assert held > 0 and sched.spec_waits == held
+        rank.check_tokens(sched)
+    assert seq.output_ids == [draw(seq, p) for p in range(10, 70)]
+    void = [c for c in behind_plain if c.void]
+    assert behind_plain and void and len(void) < len(behind_plain)
+    assert sched.spec_kept > len(behind_plain) - len(void)  # proposals kept after right guesses
+    assert sched.spec_waits == 0
