@@ -23,9 +23,9 @@
   proposal at which the draft breaks even.
 - `replay`: --package's greedy outputs for the copy prompts (speculation off, EOS honoured),
   then each n-gram policy (k at most 4, 8, 16; shortest n-gram 1, 2, 3; adaptive or fixed k)
-  replayed over them as the scheduler would drive it one step at a time: decode steps, steps
-  where the sequence waited for its last token to propose (not planned ahead), verification
-  rows, tokens per step. Greedy outputs do not depend on speculation, so this counts exactly
+  replayed over them as the scheduler would drive it one step at a time: decode steps, rows
+  chained behind a plain row on a guess of its draw (right, and void), verification rows,
+  tokens per step. Greedy outputs do not depend on speculation, so this counts exactly
   what each policy would do with them (chained rows aside); only the step costs need a GPU.
 - `schedule`: the scheduler alone on the CPU (no ranks): --users sequences of
   --prompt-tokens random tokens and --new-tokens random draws, two steps in flight, speculation
