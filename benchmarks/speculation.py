@@ -54,7 +54,7 @@ from pathlib import Path
 
 from benchmarks.step_overhead import GREEDY, engine_config, local_ranks, prompt, running_engine
 from runtime.package import open_package
-from runtime.speculation import SpecState, SpeculationConfig, num_kept
+from runtime.speculation import GUESS_MIN_RATE, SpecState, SpeculationConfig, num_kept
 
 PASSAGE = """The harbour town woke slowly in winter. The first boats went out before the light, \
 their engines coughing in the cold, and the gulls followed them past the breakwater. By eight \
@@ -221,18 +221,26 @@ async def copy_part(args) -> dict:
     return report
 
 
-def replay(config: SpeculationConfig, prompt: list[int], output: list[int]) -> dict:
+def replay(
+    config: SpeculationConfig,
+    prompt: list[int],
+    output: list[int],
+    guess_min_rate: float = GUESS_MIN_RATE,
+) -> dict:
     """One greedy output through the n-gram proposer, decode step by decode step (the
     prefill drew output[0]), as the scheduler drives a sequence with two steps in flight: while
     a plain row draws the sequence's next token, a sequence whose tail repeats gets a row
     chained behind it (SpecState.may_propose_next) whose first token guesses that draw and
     whose proposals follow the guess; a right guess keeps them, a wrong one voids the row (a
-    step without a token) and the sequence proposes after the token once it is known. The
+    step without a token) and the sequence proposes after the token once it is known; while its
+    guesses are right less often than guess_min_rate (the engine core's measured break-even
+    for a sequence alone) it waits for the token instead (a wait: not a step here, but the
+    host's round trip on the GPU). The
     verification row before a chained one is taken as settled when the next is planned (the
     scheduler guesses its last draw, assuming every proposal kept), so a row that keeps less
     costs no void step here."""
     spec, known, given = SpecState(config), prompt + output, 0
-    steps = guesses = void = rows = proposed = kept = 0
+    steps = guesses = void = waits = rows = proposed = kept = 0
 
     def unseen(end: int) -> list[int]:
         nonlocal given
@@ -265,16 +273,23 @@ def replay(config: SpeculationConfig, prompt: list[int], output: list[int]) -> d
             found = spec.index.propose_after([], [], min(spec.k, left) + 1)
             if not found:
                 pos += 1
+            elif spec.guess_rate < guess_min_rate:  # it waits for the token, then proposes
+                waits += 1
+                spec.guessed(found[0] == output[pos - 1])
+                pos += verify(spec.propose(unseen(len(prompt) + pos), left), pos) + 1
             elif found[0] != output[pos - 1]:
+                spec.guessed(False)
                 void, settled = void + 1, True
                 spec.missed()
             else:
+                spec.guessed(True)
                 guesses += 1
                 pos += verify(found[1:], pos) + 1
     return {
         "steps": steps,
         "guesses": guesses,
         "void": void,
+        "waits": waits,
         "rows": rows,
         "proposed": proposed,
         "kept": kept,

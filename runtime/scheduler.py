@@ -55,7 +55,7 @@ from enum import Enum
 
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
-from runtime.speculation import SpecState, SpeculationConfig, num_kept
+from runtime.speculation import GUESS_MIN_RATE, SpecState, SpeculationConfig, num_kept
 
 # The draft proposer's gate: when the draft's proposals are kept less often than this (an
 # average over its recent verification rows), no sequence asks for drafts for a while. On the
@@ -199,6 +199,10 @@ class Scheduler:
         # rows applied, and the tokens those rows gave.
         self.spec_proposed = self.spec_kept = self.spec_verifications = self.spec_tokens = 0
         self.spec_waits = 0  # decodes held back a step to propose after a token being drawn
+        # The rate of right guesses above which a sequence decoding alone guesses the token a
+        # step in flight draws rather than waiting for it: 1 - the cost of a wait (the host's
+        # round trip) over a step's, set by the engine core as it measures both.
+        self.guess_min_rate = GUESS_MIN_RATE
         # The draft proposer's recent acceptance, and the step before which no sequence asks
         # for drafts (DRAFT_MIN_RATE).
         self.draft_rate, self._draft_rows = DRAFT_MIN_RATE, 0  # (the first rows decide)
@@ -340,6 +344,9 @@ class Scheduler:
         """Running sequences that decode this step: one token each, proposals, or a
         verification row chained behind theirs in flight."""
         out = []
+        # With other sequences in the step, a wait costs the sequence the step, as a wrong guess
+        # does; alone, it costs only the host's round trip
+        alone = len(self.running) == 1
         for s in self.running:
             if not s.num_computed or self._ends_when_applied(s):
                 continue
@@ -348,26 +355,31 @@ class Scheduler:
                     out.append(s)
             elif self._uncomputed(s) == 1:
                 if s.pending and s.spec is not None and self._waits_to_propose(s):
-                    if self._guesses(s):
+                    if self._guesses(s, alone):
                         s.verifying.append(s.plain_row)  # _chain guesses the row's draw
                         out.append(s)
                     else:
                         self.spec_waits += 1  # left out of this step, to propose after its draw
+                        if s.spec.index is not None:  # the guess it could have made, to score
+                            s.spec.expected = next(iter(s.spec.index.propose([], 1)), None)
                 else:
                     out.append(s)
         return out
 
-    def _guesses(self, seq: Sequence) -> bool:
+    def _guesses(self, seq: Sequence, alone: bool) -> bool:
         """Whether seq, whose tail repeats earlier text while its plain row in flight draws
         its next token, gets a row chained behind that one instead of waiting for the draw:
         the row's first token guesses the draw (what followed the tail where it occurred
         before; right about nine times in ten where outputs copy, docs/performance.md), then
-        proposals after it. A wrong guess voids the row, which costs what a wait costs (the
-        step without a token), and a right one keeps two steps in flight."""
+        proposals after it. A wrong guess voids the row (the step without a token) and a right
+        one keeps two steps in flight. A sequence decoding alone would lose only the host's
+        round trip by waiting, so it guesses while its guesses are right often enough for that
+        (guess_min_rate)."""
         row = seq.plain_row
         return (
             row is not None
             and not seq.spec.drafts
+            and (not alone or seq.spec.guess_rate >= self.guess_min_rate)
             and row.sample
             and row.incarnation == seq.num_preemptions
             and row.start_pos + 1 == seq.num_computed  # the last row planned, still in flight
@@ -520,6 +532,7 @@ class Scheduler:
         seq.verifying.clear()
         if seq.spec is not None:
             seq.spec.drafted, seq.spec.awaiting_draft = [], False
+            seq.spec.expected = None
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -570,6 +583,9 @@ class Scheduler:
                     seq.spec.decoded(1)
                     if seq.verifying and seq.verifying[0] is c:
                         self._check_guess(c, tokens[0])
+                    elif seq.spec.expected is not None:
+                        seq.spec.guessed(tokens[0] == seq.spec.expected)
+                        seq.spec.expected = None
             updated.append(seq)
             reason = None
             for n, token in enumerate(tokens, 1):
@@ -595,7 +611,10 @@ class Scheduler:
         seq = c.seq
         seq.verifying.pop(0)
         chained = seq.verifying[0] if seq.verifying else None
-        if chained is None or drawn == chained.guess:
+        if chained is None:
+            return
+        seq.spec.guessed(drawn == chained.guess)
+        if drawn == chained.guess:
             return
         chained.void = True
         seq.verifying.clear()

@@ -38,6 +38,15 @@ from dataclasses import dataclass, field
 METHODS = ("ngram", "draft")
 MISSES_TO_PAUSE = 4
 MAX_PAUSE_TOKENS = 256
+# A sequence decoding alone guesses the token a step in flight draws (rather than waiting for
+# it) while its guesses have been right often enough (an average over about GUESS_RATE_SPAN
+# of them, those it would have made while waiting included). A wrong guess loses it a step; a
+# wait loses the host's round trip, which the engine core measures (Scheduler.guess_min_rate
+# = 1 - round trip / step): a small part of a step for a large model, where guessing pays only
+# when guesses are nearly always right (as in copied passages: 91-95% on SmolLM2's copy-heavy
+# outputs), a step or more for a small one. This rate holds until the core has measured.
+GUESS_MIN_RATE = 0.85
+GUESS_RATE_SPAN = 8
 
 
 def num_kept(proposals, drawn) -> int:
@@ -153,6 +162,11 @@ class SpecState:
     # whether a row in flight asked for more (the sequence then waits for them).
     drafted: list[int] = field(default_factory=list)
     awaiting_draft: bool = False
+    guess_rate: float = 1.0  # how often its guesses of a token being drawn were right
+    expected: int | None = None  # while it waits for a token: the guess it did not make
+
+    def guessed(self, right: bool) -> None:
+        self.guess_rate += (float(right) - self.guess_rate) / GUESS_RATE_SPAN
 
     def __post_init__(self) -> None:
         self.k = self.config.num_tokens

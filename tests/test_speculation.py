@@ -11,7 +11,13 @@ import pytest
 
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
-from runtime.speculation import MISSES_TO_PAUSE, NgramIndex, SpecState, SpeculationConfig
+from runtime.speculation import (
+    GUESS_MIN_RATE,
+    MISSES_TO_PAUSE,
+    NgramIndex,
+    SpecState,
+    SpeculationConfig,
+)
 from tests.test_scheduler import RankModel, _drive
 
 SPEC = SpeculationConfig(num_tokens=4)
@@ -375,7 +381,8 @@ def test_a_repeating_tail_chains_a_guess_behind_its_plain_row_instead_of_waiting
     """A decode whose tail repeats earlier text while its plain row in flight draws its next
     token is not held back: a row chained behind that one guesses the draw (what followed the
     tail before) and proposes after it. A right guess keeps both steps in flight, a wrong one
-    voids the row, and the output is exact either way."""
+    voids the row, and the output is exact either way; once its guesses are too often wrong the
+    sequence waits for the token instead."""
 
     def draw(seq, pos):  # 10, 11, 12 repeating (as the prompt starts), broken every 11th
         return 300 + pos if pos % 11 == 0 else 10 + pos % 3
@@ -398,4 +405,58 @@ def test_a_repeating_tail_chains_a_guess_behind_its_plain_row_instead_of_waiting
     void = [c for c in behind_plain if c.void]
     assert behind_plain and void and len(void) < len(behind_plain)
     assert sched.spec_kept > len(behind_plain) - len(void)  # proposals kept after right guesses
-    assert sched.spec_waits == 0
+    assert sched.spec_waits > 0 and seq.spec.guess_rate < sched.guess_min_rate
+
+
+def test_a_sequence_guesses_ahead_while_its_guesses_are_right_often_enough():
+    state = SpecState(SPEC)
+    assert state.guess_rate == 1.0
+    state.guessed(False)
+    assert state.guess_rate >= GUESS_MIN_RATE  # one wrong guess in a run of right ones
+    state.guessed(False)
+    assert state.guess_rate < GUESS_MIN_RATE  # alone, it waits now (its guesses still scored)
+    rights = 0
+    while state.guess_rate < GUESS_MIN_RATE:
+        state.guessed(True)
+        rights += 1
+    assert rights == 4
+
+
+def test_sequences_decoding_together_guess_whatever_their_rate():
+    """With other sequences in the step a wait costs a sequence that step, as a wrong guess
+    does, so sequences decoding together guess even when their guesses have been poor; the
+    one left alone waits."""
+
+    def draw(seq, pos):
+        return 300 + pos if pos % 11 == 0 else 10 + pos % 3
+
+    sched = Scheduler(_config(SPEC))
+    rank = RankModel(4)
+    seqs = [
+        Sequence(i + 1, list(range(10, 20)), m, SamplingParams()) for i, m in ((0, 30), (1, 60))
+    ]
+    for seq in seqs:
+        sched.add(seq)
+    guessed_together = waits_together = 0
+    in_flight = []
+    while sched.has_work or in_flight:
+        for seq in seqs:
+            seq.spec.guess_rate = 0.0  # as if every guess so far had been wrong
+        together = len(sched.running) == 2
+        plain = {s.seq_id for s in seqs if s.pending == 1 and not s.verifying}
+        waits = sched.spec_waits
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            if together:
+                guessed_together += sum(
+                    c.guess is not None and c.seq.seq_id in plain for c in step.chunks
+                )
+                waits_together += sched.spec_waits - waits
+            in_flight.append((step, rank.run(step, draw)))
+            continue
+        sched.apply(*in_flight.pop(0))
+    assert [s.output_ids for s in seqs] == [
+        [draw(s, p) for p in range(10, 10 + s.max_tokens)] for s in seqs
+    ]
+    assert guessed_together > 0 and waits_together == 0
+    assert sched.spec_waits > 0  # the longer one, alone at the end

@@ -114,6 +114,7 @@ def test_outputs_with_speculation_equal_outputs_without(
     assert proposed >= metrics["orbit_spec_accepted_tokens_total"] > 0
     assert metrics["orbit_spec_mean_acceptance_length"] > 1
     assert "orbit_spec_waits_total" in metrics  # (when counted: tests/test_speculation.py)
+    assert 0 <= metrics["orbit_spec_guess_min_rate"] <= 0.95
     assert metrics["orbit_preemptions_total"] > 0
     assert metrics["orbit_kv_pages_in_use"] == 0
 
@@ -179,3 +180,33 @@ def check_same_distribution(pkg, spec_args: tuple[str, ...]) -> None:
     assert _permutation_p(without, with_spec) > 0.001
     tails = [[t.split()[-1] if t.split() else "" for t in ts] for ts in (without, with_spec)]
     assert _permutation_p(*tails) > 0.001
+
+
+def test_the_engine_prices_a_wait_against_a_step(tiny_checkpoints, package_cache):
+    """The engine core times the round trip a waiting sequence pays (the ranks' idle before a
+    step sent the moment the last one answered, nothing else in flight) against a step, and
+    sets from them the rate of right guesses above which a sequence decoding alone guesses the
+    token being drawn rather than waits for it: 1 - round trip / step. Real rank processes."""
+    from dataclasses import replace
+
+    from benchmarks.step_overhead import engine_config, local_ranks, running_engine
+    from proto import wire_pb2
+    from runtime.package import open_package
+    from runtime.speculation import GUESS_MIN_RATE, SpeculationConfig
+
+    pkg = open_package(package_cache(tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=4))
+    greedy = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
+
+    async def main():
+        async with local_ranks(pkg, "cpu", 256) as link:
+            config = replace(engine_config(pkg, overlap=True), speculation=SpeculationConfig())
+            async with running_engine(config, link) as engine:
+                # a prompt whose tail repeats: its first decode waits for the first token
+                async for _ in engine.generate([5, 9, 13, 2] * 6, 24, greedy, ignore_eos=True):
+                    pass
+                return engine.scheduler.guess_min_rate, engine.step_cost_s, engine.round_trip_s
+
+    rate, step_s, trip_s = asyncio.run(main())
+    assert step_s > 0 and trip_s > 0
+    assert rate == pytest.approx(min(max(1 - trip_s / step_s, 0.0), 0.95))
+    assert rate != GUESS_MIN_RATE

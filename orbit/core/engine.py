@@ -38,6 +38,7 @@ from runtime.speculation import SpeculationConfig
 log = logging.getLogger("orbit.core.engine")
 
 _UINT64_MASK = (1 << 64) - 1
+_PROMPT_SEND_S = 0.002  # a step sent within this of the last result was sent on its account
 _FINISH = {"stop": core_pb2.FINISH_STOP, "length": core_pb2.FINISH_LENGTH}
 
 
@@ -150,6 +151,10 @@ class Engine:
         # Time rank 0 sat with nothing queued while this engine was preparing the next step.
         self.rank_wait_seconds = 0.0
         self._last_result_at = 0.0
+        # Averages of a step's time on rank 0 and of the ranks' idle before a step sent the
+        # moment the one before answered with nothing else in flight (the round trip a
+        # speculating sequence waits through): the scheduler's guess_min_rate.
+        self.step_cost_s = self.round_trip_s = 0.0
         # Rank 0's (execute_s, gpu_s) of the latest steps, for benchmarks.
         self.recent_timings: deque[tuple[float, float]] = deque(maxlen=4096)
 
@@ -296,6 +301,9 @@ class Engine:
                 "# HELP orbit_spec_waits_total Decodes held back a step to propose after a draw.",
                 "# TYPE orbit_spec_waits_total counter",
                 f"orbit_spec_waits_total {s.spec_waits}",
+                "# HELP orbit_spec_guess_min_rate Right guesses needed to guess alone, not wait.",
+                "# TYPE orbit_spec_guess_min_rate gauge",
+                f"orbit_spec_guess_min_rate {s.guess_min_rate:.6f}",
             ]
         if self.link is not None:
             lines += [
@@ -414,6 +422,24 @@ class Engine:
             for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
 
+    def _note_round_trip(self, result: wire_pb2.StepResult, sent_at: float) -> None:
+        """A step sent with nothing in flight: if sent the moment the last result came, the
+        ranks' idle before it is the round trip a waiting sequence pays. Averaged with the
+        step's time (over about 16 of each), it sets when a sequence decoding alone guesses
+        rather than waits: when its guesses are right more often than 1 - round trip / step."""
+        if not self._last_result_at or sent_at - self._last_result_at > _PROMPT_SEND_S:
+            return
+        first = not self.step_cost_s
+        for name, value in (
+            ("step_cost_s", result.execute_s),
+            ("round_trip_s", result.idle_before_s),
+        ):
+            old = getattr(self, name)
+            setattr(self, name, value if first else old + (value - old) / 16)
+        if self.step_cost_s > 0:
+            rate = 1.0 - self.round_trip_s / self.step_cost_s
+            self.scheduler.guess_min_rate = min(max(rate, 0.0), 0.95)
+
     def _check_serving(self) -> None:
         if self._error is not None:
             raise Refused(core_pb2.ERROR_ENGINE_FAILED, str(self._error))
@@ -466,6 +492,8 @@ class Engine:
         result = await self.link.result(step.step_id, fut, self.config.step_timeout_s)
         if busy:  # the ranks had work queued from here: any idle before this step was ours
             self.rank_wait_seconds += result.idle_before_s
+        elif self.config.speculation is not None:
+            self._note_round_trip(result, sent_at)
         now = time.perf_counter()
         # A step's time starts when it was sent or when the one before it answered, whichever
         # is later, so that the overlapping steps' times add up to the time spent stepping.
