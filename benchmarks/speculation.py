@@ -139,6 +139,7 @@ def spec_metrics(engine) -> dict:
         "verifications": rows,
         "mean_acceptance_length": round(s.spec_tokens / rows, 3) if rows else 0.0,
         "waits": s.spec_waits,
+        "guess_min_rate": round(s.guess_min_rate, 3),
     }
 
 
