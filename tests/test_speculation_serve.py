@@ -201,9 +201,11 @@ def test_the_engine_prices_a_wait_against_a_step(tiny_checkpoints, package_cache
         async with local_ranks(pkg, "cpu", 256) as link:
             config = replace(engine_config(pkg, overlap=True), speculation=SpeculationConfig())
             async with running_engine(config, link) as engine:
-                # a prompt whose tail repeats: its first decode waits for the first token
-                async for _ in engine.generate([5, 9, 13, 2] * 6, 24, greedy, ignore_eos=True):
-                    pass
+                # prompts whose tails repeat: each first decode waits for the first token
+                for i in range(3):
+                    prompt = [5 + i, 9, 13, 2] * 6
+                    async for _ in engine.generate(prompt, 24, greedy, ignore_eos=True):
+                        pass
                 return engine.scheduler.guess_min_rate, engine.step_cost_s, engine.round_trip_s
 
     rate, step_s, trip_s = asyncio.run(main())

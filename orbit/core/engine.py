@@ -38,7 +38,6 @@ from runtime.speculation import SpeculationConfig
 log = logging.getLogger("orbit.core.engine")
 
 _UINT64_MASK = (1 << 64) - 1
-_PROMPT_SEND_S = 0.002  # a step sent within this of the last result was sent on its account
 _FINISH = {"stop": core_pb2.FINISH_STOP, "length": core_pb2.FINISH_LENGTH}
 
 
@@ -155,6 +154,8 @@ class Engine:
         # moment the one before answered with nothing else in flight (the round trip a
         # speculating sequence waits through): the scheduler's guess_min_rate.
         self.step_cost_s = self.round_trip_s = 0.0
+        self._after_result = False  # the loop has not waited for work since the last result
+        self._sent_on_result: set[int] = set()  # steps sent then with nothing else in flight
         # Rank 0's (execute_s, gpu_s) of the latest steps, for benchmarks.
         self.recent_timings: deque[tuple[float, float]] = deque(maxlen=4096)
 
@@ -409,6 +410,7 @@ class Engine:
                 if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
                     continue
                 if not in_flight:
+                    self._after_result = False
                     await self._wake.wait()
                     self._wake.clear()
                     continue
@@ -418,17 +420,16 @@ class Engine:
                     self.fail(EngineError(str(e)))
                     return
                 self._deliver(step, result)
+                self._after_result = True
         finally:
             for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
 
-    def _note_round_trip(self, result: wire_pb2.StepResult, sent_at: float) -> None:
-        """A step sent with nothing in flight: if sent the moment the last result came, the
+    def _note_round_trip(self, result: wire_pb2.StepResult) -> None:
+        """A decode step sent on the last result's account with nothing else in flight: the
         ranks' idle before it is the round trip a waiting sequence pays. Averaged with the
         step's time (over about 16 of each), it sets when a sequence decoding alone guesses
         rather than waits: when its guesses are right more often than 1 - round trip / step."""
-        if not self._last_result_at or sent_at - self._last_result_at > _PROMPT_SEND_S:
-            return
         first = not self.step_cost_s
         for name, value in (
             ("step_cost_s", result.execute_s),
@@ -468,6 +469,8 @@ class Engine:
             if owner is not None and owner.planned_s is None:
                 owner.planned_s = planned_s
         busy = bool(in_flight)
+        if not busy and self._after_result and self.config.speculation is not None:
+            self._sent_on_result.add(step.step_id)
         in_flight.append((step, self.link.submit(plan), time.perf_counter(), busy))
         return True
 
@@ -492,8 +495,10 @@ class Engine:
         result = await self.link.result(step.step_id, fut, self.config.step_timeout_s)
         if busy:  # the ranks had work queued from here: any idle before this step was ours
             self.rank_wait_seconds += result.idle_before_s
-        elif self.config.speculation is not None:
-            self._note_round_trip(result, sent_at)
+        elif step.step_id in self._sent_on_result:
+            self._sent_on_result.discard(step.step_id)
+            if not _prefills(step):
+                self._note_round_trip(result)
         now = time.perf_counter()
         # A step's time starts when it was sent or when the one before it answered, whichever
         # is later, so that the overlapping steps' times add up to the time spent stepping.
@@ -577,6 +582,11 @@ def seed_of(seed: int | None) -> int:
     """The wire seed of a request's: any int64 maps to a distinct uint64 (two's complement),
     so -1 and 2**63 - 1 differ; None draws one."""
     return random_seed() if seed is None else seed & _UINT64_MASK
+
+
+def _prefills(step: Step) -> bool:
+    """Whether a step computes part of a prompt (its time is no decode step's)."""
+    return any(c.num_tokens > 1 and not c.verifies for c in step.chunks)
 
 
 def _verification_samples(samples) -> tuple[dict, dict]:
