@@ -290,8 +290,8 @@ def measure_ttft(runner, spec, tensors, length: int, bw: float, flops: float) ->
 
 def profile_text(runner, spec, tensors, args) -> str:
     """Per-kernel GPU time of the batch-1 and batch-64 decode graphs (their inputs are the last
-    measured step's), and CPU + GPU time of one 128-token prefill step (graph replay and the
-    eager LM head)."""
+    measured step's), CPU + GPU time of one 128-token prefill step (graph replay and the
+    eager LM head), and the steps of `_profiled_steps`."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = []
@@ -308,7 +308,49 @@ def profile_text(runner, spec, tensors, args) -> str:
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
     parts.append(f"prefill, 128 tokens\n{table}")
+    for name, seq in _profiled_steps(runner, spec):
+        parts.append(_step_profile(runner, name, seq, profile, ProfilerActivity))
     return "\n\n".join(parts)
+
+
+def _profiled_steps(runner, spec) -> list[tuple[str, SeqInput]]:
+    """One-sequence steps whose GPU time is a target's floor: issue 18's cached request (64
+    new tokens over a 2,048-token prefix already in the cache), the same 64 tokens alone, and
+    issue 19's verification row (the last token and 16 proposals at position 512)."""
+
+    def seq(new: int, cached: int, num_samples: int = 1) -> SeqInput:
+        pages = list(range(-(-(cached + new) // runner.page_size)))
+        ids = torch.randint(spec.vocab_size, (new,)).tolist()
+        return SeqInput(ids, cached, pages, True, num_samples=num_samples)
+
+    return [
+        ("64 new tokens after 2,048 cached", seq(64, 2048)),
+        ("64 tokens alone", seq(64, 0)),
+        ("verification row of 17 tokens at 512", seq(17, 512, 17)),
+    ]
+
+
+def _step_profile(runner, name: str, seq: SeqInput, profile, activity) -> str:
+    """A step's wall time and GPU time (CUDA events around runner.step, median of 10: staging
+    and attention planning included), then its kernels over 5 more steps."""
+    walls, gpus = [], []
+    for _ in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        runner.step([seq])
+        end.record()
+        end.synchronize()
+        walls.append(time.perf_counter() - t0)
+        gpus.append(start.elapsed_time(end) / 1e3)
+    wall, gpu = statistics.median(walls[1:]), statistics.median(gpus[1:])
+    with profile(activities=[activity.CUDA]) as prof:
+        for _ in range(5):
+            runner.step([seq])
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    return f"{name}: wall {wall * 1e3:.3f} ms, CUDA events {gpu * 1e3:.3f} ms; 5 steps\n{table}"
 
 
 def print_table(result: dict) -> None:
