@@ -460,3 +460,77 @@ def test_sequences_decoding_together_guess_whatever_their_rate():
     ]
     assert guessed_together > 0 and waits_together == 0
     assert sched.spec_waits > 0  # the longer one, alone at the end
+
+
+def _random_run(rng: random.Random, spec, prompts, max_tokens, stop, kw, depth, aborts):
+    """Drive a scheduler as _drive does, with the guess rate a lone sequence must beat drawn
+    at random and, with `aborts` (seq_id -> the step after which it is aborted), sequences
+    cancelled mid-flight as a client disconnect does."""
+    sched = Scheduler(_config(spec, **kw))
+    sched.guess_min_rate = rng.choice([0.0, GUESS_MIN_RATE, 1.01])
+    rank = RankModel(sched.config.page_size)
+    draw = _context_model(rank)
+    seqs = [
+        Sequence(i + 1, list(p), m, SamplingParams(), stop_token_ids=frozenset(stop))
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    for s in seqs:
+        sched.add(s)
+    steps, in_flight = 0, []
+    while steps < 5_000:
+        for s in seqs:
+            if aborts.get(s.seq_id) == steps:
+                sched.abort(s)  # (a no-op for one already finished)
+        if not (sched.has_work or in_flight):
+            break
+        step = sched.schedule() if len(in_flight) < depth else None
+        if step is not None:
+            assert len(step.chunks) <= sched.config.max_batch
+            assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens
+            in_flight.append((step, rank.run(step, draw)))
+            steps += 1
+            continue
+        assert in_flight, "work left but nothing to schedule"
+        sched.apply(*in_flight.pop(0))
+        rank.check_tokens(sched)
+    assert not sched.has_work and not in_flight
+    return seqs, sched
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_random_workloads_keep_outputs_exact_and_return_every_page(seed):
+    """The cases above at random and together: proposal depth and n-gram sizes, one or two
+    steps in flight, pools and step budgets small enough to preempt, shared prefixes (the
+    cache), stop tokens, cancellations, and whether a lone sequence guesses. Every sequence
+    not cancelled ends as it does without speculation, and every page comes back."""
+    rng = random.Random(seed)
+    ngram_min = rng.randint(1, 3)
+    spec = SpeculationConfig(
+        num_tokens=rng.choice([1, 2, 4, 8, 16]),
+        ngram_min=ngram_min,
+        ngram_max=rng.randint(ngram_min, 4),
+    )
+    n = rng.randint(1, 8)
+    shared = _prompts(1, seed=1000 + seed)[0]
+    prompts = [(shared if rng.random() < 0.5 else []) + p for p in _prompts(n, seed=seed)]
+    max_tokens = [rng.randint(1, 80) for _ in range(n)]
+    stop = {200 + rng.randrange(12)} if rng.random() < 0.3 else set()
+    page_size = rng.choice([2, 4, 16])
+    kw = {
+        "page_size": page_size,
+        "num_pages": rng.choice([48, 64, 256]) * 4 // page_size,
+        "max_batch": rng.randint(1, 8),
+        "max_step_tokens": rng.choice([8, 24, 32, 64]),
+        "max_seq_len": 192,
+    }
+    depth = rng.choice([1, 2])
+    aborts = {i + 1: rng.randrange(60) for i in range(n) if rng.random() < 0.2}
+    without, _ = _random_run(rng, None, prompts, max_tokens, stop, kw, depth, {})
+    with_spec, sched = _random_run(rng, spec, prompts, max_tokens, stop, kw, depth, aborts)
+    for off, on in zip(without, with_spec):
+        if on.finish_reason != "abort":
+            assert (on.output_ids, on.finish_reason) == (off.output_ids, off.finish_reason)
+        else:  # what it had produced when cancelled is what it produces uncancelled
+            assert on.output_ids == off.output_ids[: len(on.output_ids)]
+    assert sched.pages_in_use == 0
+    assert sched.spec_kept <= sched.spec_proposed
