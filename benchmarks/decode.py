@@ -345,12 +345,24 @@ def _step_profile(runner, name: str, seq: SeqInput, profile, activity) -> str:
         walls.append(time.perf_counter() - t0)
         gpus.append(start.elapsed_time(end) / 1e3)
     wall, gpu = statistics.median(walls[1:]), statistics.median(gpus[1:])
+    head = f"{name}: wall {wall * 1e3:.3f} ms, CUDA events {gpu * 1e3:.3f} ms"
+    if len(seq.token_ids) > 1 and seq.num_samples == 1:  # a prefill step: its host staging
+        tokens = next(b for b in runner.prefill_buckets if b >= len(seq.token_ids))
+        attn, plans = runner._prefill_attn[tokens], []
+        for _ in range(11):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            runner._plan_prefill_graph([seq], tokens, attn)  # stage and plan, nothing replayed
+            plans.append(time.perf_counter() - t0)
+        head += (
+            f", of which staging + FlashInfer's plan {statistics.median(plans[1:]) * 1e3:.3f} ms"
+        )
     with profile(activities=[activity.CUDA]) as prof:
         for _ in range(5):
             runner.step([seq])
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-    return f"{name}: wall {wall * 1e3:.3f} ms, CUDA events {gpu * 1e3:.3f} ms; 5 steps\n{table}"
+    return f"{head}; 5 steps\n{table}"
 
 
 def print_table(result: dict) -> None:
