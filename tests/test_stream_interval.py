@@ -14,9 +14,11 @@ import pytest
 from benchmarks.step_overhead import engine_config, local_ranks, running_engine
 from proto import core_pb2, wire_pb2
 from runtime.package import open_package
+from runtime.speculation import SpeculationConfig
 from tests.server import ServerProcess
 
-PROMPTS = [[(300 + 17 * i + 101 * j) % 4000 for j in range(5 + 7 * i)] for i in range(4)]
+# Each repeats a 6-token pattern, so n-gram speculation has matches to propose from.
+PROMPTS = [[(300 + 17 * i + 101 * (j % 6)) % 4000 for j in range(5 + 7 * i)] for i in range(4)]
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +31,31 @@ async def _outputs(engine, prompt, params, max_tokens):
 
 
 def _run_both(pkg, eos: int):
-    """Every prompt's outputs with interval 1 and 5, all at once (greedy; seeded sampling with
-    top logprobs), with an EOS token that some draw mid-stream."""
+    """Every prompt's outputs with interval 1, with 5, and with 5 and n-gram speculation (which
+    brings several tokens a step), all at once (greedy; seeded sampling with top logprobs), with
+    an EOS token that some draw mid-stream. Also the tokens the speculating run proposed."""
     params = [
         wire_pb2.SamplingParams(temperature=0, num_logprobs=-1),
         wire_pb2.SamplingParams(temperature=0.9, seed=7, num_logprobs=2),
     ]
 
     async def main():
-        runs = {}
+        runs, proposed = {}, 0
         async with local_ranks(pkg, "cpu", 256) as link:
-            for interval in (1, 5):
+            for interval, spec in ((1, None), (5, None), (5, SpeculationConfig())):
                 config = dataclasses.replace(
                     engine_config(pkg, overlap=True),
                     eos_token_ids=(eos,),
                     stream_interval=interval,
+                    speculation=spec,
                 )
                 async with running_engine(config, link) as engine:
-                    runs[interval] = await asyncio.gather(
+                    runs[interval, spec is not None] = await asyncio.gather(
                         *(_outputs(engine, p, params[i % 2], 23 + i) for i, p in enumerate(PROMPTS))
                     )
-        return runs
+                    if spec is not None:
+                        proposed = engine.scheduler.spec_proposed
+        return runs, proposed
 
     return asyncio.run(main())
 
@@ -67,11 +73,11 @@ def test_grouped_outputs_carry_the_same_tokens_logprobs_and_finish(pkg_path):
     pkg = open_package(pkg_path)
     # an EOS that one request draws mid-stream: found with the interval-1 run of an arbitrary
     # token first, then the runs that count
-    probe = _run_both(pkg, eos=-1)[1]
+    probe = _run_both(pkg, eos=-1)[0][1, False]
     eos = _flat(probe[0])[0][9]
-    runs = _run_both(pkg, eos)
+    runs, proposed = _run_both(pkg, eos)
     finishes = []
-    for one, grouped in zip(runs[1], runs[5]):
+    for one, grouped, speculated in zip(runs[1, False], runs[5, False], runs[5, True]):
         assert _flat(grouped) == _flat(one)
         sizes = [len(o.token_ids) for o in grouped]
         assert all(len(o.logprobs) in (0, len(o.token_ids)) for o in grouped)
@@ -79,7 +85,16 @@ def test_grouped_outputs_carry_the_same_tokens_logprobs_and_finish(pkg_path):
         assert len(grouped) < len(one) or len(one) <= 2
         assert all(o.finish == core_pb2.FINISH_NONE for o in grouped[:-1])
         finishes.append(grouped[-1].finish)
+        # With speculation a step may bring several tokens: a group is 5 or more, never fewer
+        # but the first and the last; tokens and finish as one at a time, logprobs within
+        # float noise (a verification row computes them in another batch shape).
+        tokens, logprobs, tops, finish = _flat(speculated)
+        assert (tokens, tops, finish) == (_flat(one)[0], _flat(one)[2], _flat(one)[3])
+        assert logprobs == pytest.approx(_flat(one)[1], abs=1e-3)
+        sizes = [len(o.token_ids) for o in speculated]
+        assert sizes[0] == 1 and all(n >= 5 for n in sizes[1:-1])
     assert core_pb2.FINISH_STOP in finishes and core_pb2.FINISH_LENGTH in finishes
+    assert proposed > 0
 
 
 def test_a_server_streams_in_groups_and_stops_at_a_stop_string(pkg_path):
