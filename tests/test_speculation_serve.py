@@ -212,3 +212,81 @@ def test_the_engine_prices_a_wait_against_a_step(tiny_checkpoints, package_cache
     assert step_s > 0 and trip_s > 0
     assert rate == pytest.approx(min(max(1 - trip_s / step_s, 0.0), 0.95))
     assert rate != GUESS_MIN_RATE
+
+
+def _margin_safe_prefix(off: list, on: list) -> int:
+    """How many leading greedy tokens must agree: up to the first position where the
+    reference's two best tokens lie within float noise of each other (there another batch
+    shape may flip the argmax, with or without speculation)."""
+    for i, (top_ids, top_lps) in enumerate(off):
+        if len(top_lps) > 1 and top_lps[0] - top_lps[1] < 1e-3:
+            return i
+    return len(off)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_workloads_through_real_ranks_match_without_speculation(
+    seed, tiny_checkpoints, package_cache
+):
+    """Random requests (repeating and plain prompts, greedy and seeded, lengths that end inside
+    kept runs) through the engine core and real rank processes, all at once: without
+    speculation in a roomy pool, then with random n-gram settings and stream interval in a
+    pool small enough to preempt. Every request gets the same tokens and finish; greedy ones
+    up to the reference's first near-tie."""
+    from dataclasses import replace
+
+    from benchmarks.step_overhead import engine_config, local_ranks, running_engine
+    from proto import wire_pb2
+    from runtime.package import open_package
+    from runtime.speculation import SpeculationConfig
+
+    rng = random.Random(seed)
+    pkg = open_package(
+        package_cache(tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=4, max_step_tokens=32)
+    )
+    requests = []
+    for i in range(12):
+        n = rng.randint(4, 40)
+        period = rng.choice([3, 5, 7, n])  # n: no repeat within the prompt
+        pattern = [rng.randrange(1, 4000) for _ in range(period)]
+        prompt = [pattern[j % period] for j in range(n)]
+        if rng.random() < 0.5:
+            params = wire_pb2.SamplingParams(temperature=0, num_logprobs=2)
+        else:
+            params = wire_pb2.SamplingParams(temperature=0.8, seed=100 + i, num_logprobs=-1)
+        requests.append((prompt, rng.randint(1, 40), params))
+    spec = SpeculationConfig(num_tokens=rng.choice([2, 4, 8, 16]), ngram_min=rng.randint(1, 3))
+    interval = rng.choice([1, 3])
+
+    async def run(kv_pages: int, speculation, stream_interval: int):
+        async with local_ranks(pkg, "cpu", kv_pages) as link:
+            config = replace(
+                engine_config(pkg, overlap=True),
+                speculation=speculation,
+                stream_interval=stream_interval,
+            )
+            async with running_engine(config, link) as engine:
+
+                async def one(prompt, max_tokens, params):
+                    outs = [o async for o in engine.generate(prompt, max_tokens, params, True)]
+                    tops = [(list(t.token_ids), list(t.logprobs)) for o in outs for t in o.top]
+                    return [t for o in outs for t in o.token_ids], outs[-1].finish, tops
+
+                results = await asyncio.gather(*(one(*r) for r in requests))
+                s = engine.scheduler
+                return results, (s.spec_proposed, s.num_preemptions)
+
+    without, _ = asyncio.run(run(512, None, 1))
+    with_spec, (proposed, preemptions) = asyncio.run(run(40, spec, interval))
+    assert proposed > 0 and preemptions > 0
+    for (prompt, max_tokens, params), off, on in zip(requests, without, with_spec):
+        tokens_off, finish_off, tops = off
+        tokens_on, finish_on, _ = on
+        if params.temperature == 0:
+            agree = _margin_safe_prefix(tops, tokens_on)
+            assert tokens_on[:agree] == tokens_off[:agree], (spec, interval)
+            if agree == len(tokens_off):
+                assert (tokens_on, finish_on) == (tokens_off, finish_off)
+        else:
+            assert (tokens_on, finish_on) == (tokens_off, finish_off), (spec, interval)
+        assert len(tokens_on) == max_tokens  # EOS ignored
