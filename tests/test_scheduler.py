@@ -111,10 +111,18 @@ class RankModel:
             assert self.read(seq.seq_id, n) == seq.tokens(0, n)
 
 
-def _drive(sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_steps=10_000):
-    """Run to completion with up to `depth` steps in flight, as the engine does."""
+def _drive(
+    sched: Scheduler, rank: RankModel, next_token, depth: int = 1, max_steps=10_000, before=None
+):
+    """Run to completion with up to `depth` steps in flight, as the engine does; before(n), if
+    given, runs before each turn of the loop with the number of steps sent so far (to cancel
+    sequences on the way, as clients do)."""
     finished, steps, in_flight = {}, 0, deque()
-    while (sched.has_work or in_flight) and steps < max_steps:
+    while steps < max_steps:
+        if before is not None:
+            before(steps)
+        if not (sched.has_work or in_flight):
+            break
         step = sched.schedule() if len(in_flight) < depth else None
         if step is not None:
             assert len(step.chunks) <= sched.config.max_batch

@@ -94,8 +94,15 @@ def _next_token(ctx: list[int]) -> int:
     return ctx[-6]
 
 
-def _run(spec, prompts, max_tokens, depth=2, stop=frozenset(), **kw):
+def _run(
+    spec, prompts, max_tokens, depth=2, stop=frozenset(), aborts=None, guess_min_rate=None, **kw
+):
+    """Drive the prompts to their ends; aborts: seq_id -> the step count at which it is
+    cancelled, as a client disconnect does; guess_min_rate: the rate of right guesses a lone
+    sequence must beat (the engine core sets it as it measures)."""
     sched = Scheduler(_config(spec, **kw))
+    if guess_min_rate is not None:
+        sched.guess_min_rate = guess_min_rate
     rank = RankModel(sched.config.page_size)
     seqs = [
         Sequence(i + 1, list(p), m, SamplingParams(), stop_token_ids=frozenset(stop))
@@ -103,8 +110,14 @@ def _run(spec, prompts, max_tokens, depth=2, stop=frozenset(), **kw):
     ]
     for s in seqs:
         sched.add(s)
-    finished, steps = _drive(sched, rank, _context_model(rank), depth)
-    assert len(finished) == len(seqs)
+
+    def cancel(steps: int) -> None:
+        for s in seqs:
+            if aborts.get(s.seq_id) == steps:
+                sched.abort(s)  # (a no-op for one already finished)
+
+    _, steps = _drive(sched, rank, _context_model(rank), depth, before=cancel if aborts else None)
+    assert not sched.has_work and all(s.finish_reason for s in seqs)
     return [(s.output_ids, s.finish_reason) for s in seqs], sched, steps
 
 
@@ -462,41 +475,6 @@ def test_sequences_decoding_together_guess_whatever_their_rate():
     assert sched.spec_waits > 0  # the longer one, alone at the end
 
 
-def _random_run(rng: random.Random, spec, prompts, max_tokens, stop, kw, depth, aborts):
-    """Drive a scheduler as _drive does, with the guess rate a lone sequence must beat drawn
-    at random and, with `aborts` (seq_id -> the step after which it is aborted), sequences
-    cancelled mid-flight as a client disconnect does."""
-    sched = Scheduler(_config(spec, **kw))
-    sched.guess_min_rate = rng.choice([0.0, GUESS_MIN_RATE, 1.01])
-    rank = RankModel(sched.config.page_size)
-    draw = _context_model(rank)
-    seqs = [
-        Sequence(i + 1, list(p), m, SamplingParams(), stop_token_ids=frozenset(stop))
-        for i, (p, m) in enumerate(zip(prompts, max_tokens))
-    ]
-    for s in seqs:
-        sched.add(s)
-    steps, in_flight = 0, []
-    while steps < 5_000:
-        for s in seqs:
-            if aborts.get(s.seq_id) == steps:
-                sched.abort(s)  # (a no-op for one already finished)
-        if not (sched.has_work or in_flight):
-            break
-        step = sched.schedule() if len(in_flight) < depth else None
-        if step is not None:
-            assert len(step.chunks) <= sched.config.max_batch
-            assert sum(c.num_tokens for c in step.chunks) <= sched.config.max_step_tokens
-            in_flight.append((step, rank.run(step, draw)))
-            steps += 1
-            continue
-        assert in_flight, "work left but nothing to schedule"
-        sched.apply(*in_flight.pop(0))
-        rank.check_tokens(sched)
-    assert not sched.has_work and not in_flight
-    return seqs, sched
-
-
 @pytest.mark.parametrize("seed", range(24))
 def test_random_workloads_keep_outputs_exact_and_return_every_page(seed):
     """The cases above at random and together: proposal depth and n-gram sizes, one or two
@@ -525,12 +503,13 @@ def test_random_workloads_keep_outputs_exact_and_return_every_page(seed):
     }
     depth = rng.choice([1, 2])
     aborts = {i + 1: rng.randrange(60) for i in range(n) if rng.random() < 0.2}
-    without, _ = _random_run(rng, None, prompts, max_tokens, stop, kw, depth, {})
-    with_spec, sched = _random_run(rng, spec, prompts, max_tokens, stop, kw, depth, aborts)
+    rate = rng.choice([0.0, GUESS_MIN_RATE, 1.01])
+    without, _, _ = _run(None, prompts, max_tokens, depth, stop, **kw)
+    with_spec, sched, _ = _run(spec, prompts, max_tokens, depth, stop, aborts, rate, **kw)
     for off, on in zip(without, with_spec):
-        if on.finish_reason != "abort":
-            assert (on.output_ids, on.finish_reason) == (off.output_ids, off.finish_reason)
+        if on[1] != "abort":
+            assert on == off
         else:  # what it had produced when cancelled is what it produces uncancelled
-            assert on.output_ids == off.output_ids[: len(on.output_ids)]
+            assert on[0] == off[0][: len(on[0])]
     assert sched.pages_in_use == 0
     assert sched.spec_kept <= sched.spec_proposed
