@@ -214,14 +214,14 @@ def test_the_engine_prices_a_wait_against_a_step(tiny_checkpoints, package_cache
     assert rate != GUESS_MIN_RATE
 
 
-def _margin_safe_prefix(off: list, on: list) -> int:
-    """How many leading greedy tokens must agree: up to the first position where the
-    reference's two best tokens lie within float noise of each other (there another batch
-    shape may flip the argmax, with or without speculation)."""
-    for i, (top_ids, top_lps) in enumerate(off):
+def _margin_safe_prefix(tops: list) -> int:
+    """How many leading greedy tokens must agree, given the reference's (top ids, top logprobs)
+    per token: up to the first position where its two best lie within float noise of each
+    other (there another batch shape may flip the argmax, with or without speculation)."""
+    for i, (_, top_lps) in enumerate(tops):
         if len(top_lps) > 1 and top_lps[0] - top_lps[1] < 1e-3:
             return i
-    return len(off)
+    return len(tops)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -283,7 +283,7 @@ def test_random_workloads_through_real_ranks_match_without_speculation(
         tokens_off, finish_off, tops = off
         tokens_on, finish_on, _ = on
         if params.temperature == 0:
-            agree = _margin_safe_prefix(tops, tokens_on)
+            agree = _margin_safe_prefix(tops)
             assert tokens_on[:agree] == tokens_off[:agree], (spec, interval)
             if agree == len(tokens_off):
                 assert (tokens_on, finish_on) == (tokens_off, finish_off)
