@@ -221,13 +221,7 @@ def test_an_invalid_chat_template_is_refused_at_start(tiny_pkg, tmp_path):
         (("--speculate", "eagle"), "speculation method 'eagle' is unknown; use one of ngram"),
         (("--speculate", "ngram", "--spec-tokens", "0"), "speculative tokens must be 1 to 16"),
         (("--speculate", "ngram", "--ngram-min", "0"), "n-gram sizes must satisfy 1 <= min"),
-        (
-            (
-                "--ngram-min",
-                "3",
-            ),
-            "--ngram-min is for --speculate ngram, not off",
-        ),
+        (("--ngram-min", "3"), "--ngram-min is for --speculate ngram, not off"),
     ],
 )
 def test_a_bad_speculation_setting_is_refused_at_start(tiny_pkg, args, says):

@@ -390,15 +390,17 @@ def test_a_repeating_tail_with_no_plain_row_in_flight_waits_and_is_counted():
     assert sched.spec_waits == 1
 
 
+def _mostly_repeating(seq, pos: int) -> int:
+    """10, 11, 12 repeating (as the prompts of these tests start), broken every 11th token."""
+    return 300 + pos if pos % 11 == 0 else 10 + pos % 3
+
+
 def test_a_repeating_tail_chains_a_guess_behind_its_plain_row_instead_of_waiting():
     """A decode whose tail repeats earlier text while its plain row in flight draws its next
     token is not held back: a row chained behind that one guesses the draw (what followed the
     tail before) and proposes after it. A right guess keeps both steps in flight, a wrong one
     voids the row, and the output is exact either way; once its guesses are too often wrong the
     sequence waits for the token instead."""
-
-    def draw(seq, pos):  # 10, 11, 12 repeating (as the prompt starts), broken every 11th
-        return 300 + pos if pos % 11 == 0 else 10 + pos % 3
 
     sched = Scheduler(_config(SPEC))
     rank = RankModel(4)
@@ -410,11 +412,11 @@ def test_a_repeating_tail_chains_a_guess_behind_its_plain_row_instead_of_waiting
         step = sched.schedule() if len(in_flight) < 2 else None
         if step is not None:
             behind_plain += [c for c in step.chunks if c.guess is not None and plain]
-            in_flight.append((step, rank.run(step, draw)))
+            in_flight.append((step, rank.run(step, _mostly_repeating)))
             continue
         sched.apply(*in_flight.pop(0))
         rank.check_tokens(sched)
-    assert seq.output_ids == [draw(seq, p) for p in range(10, 70)]
+    assert seq.output_ids == [_mostly_repeating(seq, p) for p in range(10, 70)]
     void = [c for c in behind_plain if c.void]
     assert behind_plain and void and len(void) < len(behind_plain)
     assert sched.spec_kept > len(behind_plain) - len(void)  # proposals kept after right guesses
@@ -440,9 +442,6 @@ def test_sequences_decoding_together_guess_whatever_their_rate():
     does, so sequences decoding together guess even when their guesses have been poor; the
     one left alone waits."""
 
-    def draw(seq, pos):
-        return 300 + pos if pos % 11 == 0 else 10 + pos % 3
-
     sched = Scheduler(_config(SPEC))
     rank = RankModel(4)
     seqs = [
@@ -465,11 +464,11 @@ def test_sequences_decoding_together_guess_whatever_their_rate():
                     c.guess is not None and c.seq.seq_id in plain for c in step.chunks
                 )
                 waits_together += sched.spec_waits - waits
-            in_flight.append((step, rank.run(step, draw)))
+            in_flight.append((step, rank.run(step, _mostly_repeating)))
             continue
         sched.apply(*in_flight.pop(0))
     assert [s.output_ids for s in seqs] == [
-        [draw(s, p) for p in range(10, 10 + s.max_tokens)] for s in seqs
+        [_mostly_repeating(s, p) for p in range(10, 10 + s.max_tokens)] for s in seqs
     ]
     assert guessed_together > 0 and waits_together == 0
     assert sched.spec_waits > 0  # the longer one, alone at the end
