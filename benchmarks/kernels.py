@@ -3,7 +3,7 @@ the decode-sized linear layers (cuBLAS against the copy rate), Orbit's one-row G
 decode attention (FlashInfer's CUDA-core and tensor-core variants), and a layer's whole decode
 attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel.
 
-    python -m benchmarks.kernels --out DIR [--part linear,gemv,few,attention,decode]
+    python -m benchmarks.kernels --out DIR [--part linear,gemv,few,splitk,attention,decode]
 
 Every kernel is timed inside a CUDA graph of many calls (as the decode graph runs them), over
 enough distinct weight / KV copies that nothing is served from the 50 MB L2 cache. Results:
@@ -13,6 +13,7 @@ DIR/kernels.json and a printed table; attention variants are checked against the
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -200,6 +201,128 @@ def bench_few(name: str, m: int, bw: float) -> dict:
     return row
 
 
+# ---- split-K products of 64 rows (an experiment for issues 16 and 18) -------------------
+# At 64 rows the few-rows kernel lost to cuBLAS on every 8B shape and cuBLAS reads the weights
+# at about 60-80% of the copy rate: a 64-row tile of x over N = 4096 gives only 32-64 programs
+# for 132 SMs, and every program re-reads all of x. Here a program takes a BLOCK_N slice of the
+# weight over 1/SPLIT of K, so small-N shapes still fill the SMs; partial sums meet through
+# float32 atomics in a zeroed workspace, and a second kernel converts them and zeroes it again.
+
+SPLITK_SWEEP = [  # (BLOCK_N, BLOCK_K, SPLIT, stages, warps)
+    *((bn, bk, sp, 4, 4) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8)),
+    (128, 128, 4, 4, 8),
+    (256, 64, 4, 3, 8),
+    (256, 64, 8, 3, 8),
+]
+
+
+@functools.cache
+def _splitk_kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def splitk(
+        x_ptr,
+        w_ptr,
+        acc_ptr,
+        M,
+        N,
+        x_stride,
+        K: tl.constexpr,
+        K_PART: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ATOMIC: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rm = tl.arange(0, ROWS)
+        rk = tl.arange(0, BLOCK_K)
+        k_first = tl.program_id(1) * K_PART
+        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for k0 in range(k_first, k_first + K_PART, BLOCK_K):
+            k = k0 + rk
+            x = tl.load(x_ptr + rm[:, None] * x_stride + k[None, :], mask=(rm < M)[:, None])
+            w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn < N)[:, None])
+            acc = tl.dot(x, tl.trans(w), acc)
+        ptrs = acc_ptr + rm[:, None] * N + rn[None, :]
+        mask = (rm < M)[:, None] & (rn < N)[None, :]
+        if ATOMIC:
+            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        else:
+            tl.store(ptrs, acc.to(acc_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def settle(acc_ptr, out_ptr, total, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        a = tl.load(acc_ptr + i, mask=i < total)
+        tl.store(out_ptr + i, a.to(out_ptr.dtype.element_ty), mask=i < total)
+        tl.store(acc_ptr + i, tl.zeros_like(a), mask=i < total)
+
+    return splitk, settle
+
+
+def splitk_mm(x, w, acc, out, tile) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T; acc: a zeroed float32 [M, N] workspace, zeroed
+    again on return (SPLIT > 1). tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
+    import triton
+
+    splitk, settle = _splitk_kernels()
+    m, k = x.shape
+    n = w.shape[0]
+    block_n, block_k, split, stages, warps = tile
+    if k % (split * block_k):
+        raise ValueError(f"K {k} is not a multiple of SPLIT x BLOCK_K {split * block_k}")
+    atomic = split > 1
+    splitk[(triton.cdiv(n, block_n), split)](
+        x,
+        w,
+        acc if atomic else out,
+        m,
+        n,
+        x.stride(0),
+        K=k,
+        K_PART=k // split,
+        ROWS=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ATOMIC=atomic,
+        num_stages=stages,
+        num_warps=warps,
+    )
+    if atomic:
+        settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, BLOCK=1024)
+
+
+def bench_splitk(name: str, m: int, bw: float) -> dict:
+    """cuBLAS against the split-K kernel over its sweep, for an m-row product of `name`."""
+    n, k = LINEARS[name]
+    nbytes = n * k * 2
+    ws = [
+        torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
+        for _ in range(copies_for(nbytes))
+    ]
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+    ref = F.linear(x, ws[0]).float()
+    row = {"name": name, "m": m, "weight_MB": nbytes / 1e6, "copy_rate_us": nbytes / bw * 1e6}
+    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    row["tiles"] = []
+    for tile in SPLITK_SWEEP:
+        try:
+            splitk_mm(x, ws[0], acc, y, tile)
+            err = rel_err(y, ref)
+            us = graph_us([lambda w=w, t=tile: splitk_mm(x, w, acc, y, t) for w in ws] * 4)
+        except Exception as e:  # a tile that does not compile (shared memory) is skipped
+            print(f"  {name} M={m} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        row["tiles"].append({"tile": tile, "us": us, "err": err})
+    row["best"] = min(row["tiles"], key=lambda t: t["us"])
+    return row
+
+
 # ---- decode attention ------------------------------------------------------------------
 
 
@@ -362,6 +485,7 @@ def main(argv=None) -> int:
     p.add_argument("--part", default="linear,attention")
     p.add_argument("--rows", default="1,2,4,8")
     p.add_argument("--few-rows", default="2,5,8,16,32,64")
+    p.add_argument("--splitk-rows", default="64")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--variants", default=",".join(ATTENTION_VARIANTS))
     args = p.parse_args(argv)
@@ -418,6 +542,20 @@ def main(argv=None) -> int:
                     f"few {name:>8} M={m:>2} copy {r['copy_rate_us']:6.1f} µs  "
                     f"cuBLAS {r['cublas_us']:6.1f} µs  picked {r['picked_us'] or float('nan'):6.1f} µs  "
                     f"best {b['us']:6.1f} µs {b['tile']} (err {b['err']:.1e})",
+                    flush=True,
+                )
+                save()
+    if "splitk" in parts:
+        result["splitk"] = []
+        for m in [int(r) for r in args.splitk_rows.split(",")]:
+            for name in LINEARS:
+                r = bench_splitk(name, m, bw)
+                result["splitk"].append(r)
+                b = r["best"]
+                print(
+                    f"splitk {name:>8} M={m:>3} copy {r['copy_rate_us']:6.1f} µs  "
+                    f"cuBLAS {r['cublas_us']:6.1f} µs  best {b['us']:6.1f} µs {b['tile']} "
+                    f"(err {b['err']:.1e})",
                     flush=True,
                 )
                 save()
