@@ -63,7 +63,7 @@ def parse_args(argv):
     p.add_argument("--prompts", default="128,512,2048", help="TTFT prompt lengths")
     p.add_argument("--context", type=int, default=512, help="tokens in each sequence's cache")
     p.add_argument("--steps", type=int, default=64, help="timed decode steps per batch")
-    p.add_argument("--hf-tokens", type=int, default=32, help="generate() tokens timed")
+    p.add_argument("--hf-tokens", type=int, default=32, help="generate() tokens timed; 0 skips it")
     p.add_argument("--kv-fraction", type=float, default=0.9)
     p.add_argument("--profile", action="store_true", help="write per-kernel times")
     p.add_argument(
@@ -131,7 +131,10 @@ def hf_config(layers: int):
 
 def transformers_generate_rate(config, new_tokens: int) -> float:
     """Decode tokens/s of transformers' generate() at batch 1 (greedy, default cache), from
-    the difference of a 1-token and an (n+1)-token call after a 128-token prompt."""
+    the difference of a 1-token and an (n+1)-token call after a 128-token prompt; NaN for
+    n = 0 (skipped: loading the reference takes a minute of a short device lease)."""
+    if new_tokens == 0:
+        return float("nan")
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
