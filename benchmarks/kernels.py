@@ -225,6 +225,8 @@ def _splitk_kernels():
     def splitk(
         x_ptr,
         w_ptr,
+        xs_ptr,
+        ws_ptr,
         acc_ptr,
         M,
         N,
@@ -235,6 +237,7 @@ def _splitk_kernels():
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         ATOMIC: tl.constexpr,
+        SCALED: tl.constexpr,
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rm = tl.arange(0, ROWS)
@@ -246,6 +249,10 @@ def _splitk_kernels():
             x = tl.load(x_ptr + rm[:, None] * x_stride + k[None, :], mask=(rm < M)[:, None])
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn < N)[:, None])
             acc = tl.dot(x, tl.trans(w), acc)
+        if SCALED:  # float8 x and w, per row scales: the sums scale linearly, so each part
+            xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+            ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
+            acc = acc * xs[:, None] * ws[None, :]
         ptrs = acc_ptr + rm[:, None] * N + rn[None, :]
         mask = (rm < M)[:, None] & (rn < N)[None, :]
         if ATOMIC:
@@ -263,9 +270,10 @@ def _splitk_kernels():
     return splitk, settle
 
 
-def splitk_mm(x, w, acc, out, tile) -> None:
+def splitk_mm(x, w, acc, out, tile, xs=None, ws=None) -> None:
     """out [M, N] = x [M, K] @ w [N, K]^T; acc: a zeroed float32 [M, N] workspace, zeroed
-    again on return (SPLIT > 1). tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
+    again on return (SPLIT > 1). With xs [M] and ws [N], x and w are float8 scaled per row.
+    tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
     import triton
 
     splitk, settle = _splitk_kernels()
@@ -278,6 +286,8 @@ def splitk_mm(x, w, acc, out, tile) -> None:
     splitk[(triton.cdiv(n, block_n), split)](
         x,
         w,
+        xs if xs is not None else x,
+        ws if ws is not None else w,
         acc if atomic else out,
         m,
         n,
@@ -288,6 +298,7 @@ def splitk_mm(x, w, acc, out, tile) -> None:
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ATOMIC=atomic,
+        SCALED=xs is not None,
         num_stages=stages,
         num_warps=warps,
     )
@@ -295,10 +306,13 @@ def splitk_mm(x, w, acc, out, tile) -> None:
         settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, BLOCK=1024)
 
 
-def bench_splitk(name: str, m: int, bw: float) -> dict:
-    """cuBLAS against the split-K kernel over its sweep, for an m-row product of `name`."""
+def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
+    """cuBLAS (cuBLASLt's row-wise scaled GEMM for float8) against the split-K kernel over its
+    sweep, for an m-row product of `name`; float8: also the few-rows kernel's FP8 tile."""
+    from runtime import triton_kernels
+
     n, k = LINEARS[name]
-    nbytes = n * k * 2
+    nbytes = n * k * (1 if fp8 else 2)
     ws = [
         torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 64
         for _ in range(copies_for(nbytes))
@@ -306,15 +320,45 @@ def bench_splitk(name: str, m: int, bw: float) -> dict:
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
-    ref = F.linear(x, ws[0]).float()
-    row = {"name": name, "m": m, "weight_MB": nbytes / 1e6, "copy_rate_us": nbytes / bw * 1e6}
-    row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+    row = {"name": name, "m": m, "fp8": fp8, "weight_MB": nbytes / 1e6}
+    row["copy_rate_us"] = nbytes / bw * 1e6
+    if fp8:
+        f8 = torch.float8_e4m3fn
+        scales = [w.abs().amax(1).float() / 448 for w in ws]
+        ws = [(w / s[:, None]).to(f8) for w, s in zip(ws, scales)]
+        xs = x.abs().amax(1).float() / 448
+        xq = (x / xs[:, None]).to(f8)
+        ref = ((xq.float() * xs[:, None]) @ (ws[0].float() * scales[0][:, None]).t()).float()
+        cublas = [
+            lambda w=w, s=s: torch._scaled_mm(
+                xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=torch.bfloat16
+            )
+            for w, s in zip(ws, scales)
+        ]
+        row["cublas_us"] = graph_us(cublas * 4)
+        few = [
+            lambda w=w, s=s: triton_kernels.few_rows_mm(
+                xq, w, None, y, (64, 256, 4, 4), xs=xs[:, None], ws=s
+            )
+            for w, s in zip(ws, scales)
+        ]
+        row["few_rows_us"] = graph_us(few * 4)
+        calls = [
+            lambda w=w, s=s, t=None: splitk_mm(xq, w, acc, y, t, xs=xs, ws=s)
+            for w, s in zip(ws, scales)
+        ]
+    else:
+        ref = F.linear(x, ws[0]).float()
+        row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
+        calls = [lambda w=w, t=None: splitk_mm(x, w, acc, y, t) for w in ws]
     row["tiles"] = []
     for tile in SPLITK_SWEEP:
+        if fp8:
+            tile = (tile[0], tile[1] * 2, *tile[2:])  # the same bytes a step
         try:
-            splitk_mm(x, ws[0], acc, y, tile)
+            calls[0](t=tile)
             err = rel_err(y, ref)
-            us = graph_us([lambda w=w, t=tile: splitk_mm(x, w, acc, y, t) for w in ws] * 4)
+            us = graph_us([lambda c=c, t=tile: c(t=t) for c in calls] * 4)
         except Exception as e:  # a tile that does not compile (shared memory) is skipped
             print(f"  {name} M={m} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
             continue
@@ -486,6 +530,7 @@ def main(argv=None) -> int:
     p.add_argument("--rows", default="1,2,4,8")
     p.add_argument("--few-rows", default="2,5,8,16,32,64")
     p.add_argument("--splitk-rows", default="64")
+    p.add_argument("--splitk-fp8", action="store_true", help="splitk: float8 weights and rows")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--variants", default=",".join(ATTENTION_VARIANTS))
     args = p.parse_args(argv)
@@ -549,13 +594,14 @@ def main(argv=None) -> int:
         result["splitk"] = []
         for m in [int(r) for r in args.splitk_rows.split(",")]:
             for name in LINEARS:
-                r = bench_splitk(name, m, bw)
+                r = bench_splitk(name, m, bw, args.splitk_fp8)
                 result["splitk"].append(r)
                 b = r["best"]
+                few = f"  few-rows {r['few_rows_us']:6.1f} µs" if "few_rows_us" in r else ""
                 print(
-                    f"splitk {name:>8} M={m:>3} copy {r['copy_rate_us']:6.1f} µs  "
-                    f"cuBLAS {r['cublas_us']:6.1f} µs  best {b['us']:6.1f} µs {b['tile']} "
-                    f"(err {b['err']:.1e})",
+                    f"splitk{' fp8' if r['fp8'] else ''} {name:>8} M={m:>3} copy "
+                    f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs{few}  best "
+                    f"{b['us']:6.1f} µs {b['tile']} (err {b['err']:.1e})",
                     flush=True,
                 )
                 save()
