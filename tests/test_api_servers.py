@@ -16,7 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from orbit.core.api_link import ApiLink
+from orbit.core.api_link import STATUS_INTERVAL_S, ApiLink
 from orbit.core.api_servers import default_api_servers
 from orbit.core.engine import Engine, EngineConfig
 from proto import core_pb2, wire_pb2
@@ -163,6 +163,40 @@ def test_the_core_link_drops_junk_and_refuses_what_it_cannot_admit(tmp_path):
     (out,) = outputs
     assert out.seq_key == 7 and out.finish == core_pb2.FINISH_ERROR
     assert out.error == core_pb2.ERROR_NOT_READY
+
+
+async def _a_server_that_went_away(tmp_path) -> tuple[bool, bool]:
+    """An API server registers (its hello), then its socket closes while its process lives on
+    (a link cut or a server wedged past its socket): whether the core knew it, then whether it
+    still counts it once its status heartbeats cannot reach it."""
+    engine = Engine(EngineConfig(64, 4, 4, 32, (0,)), None)
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    link = ApiLink(engine, endpoint, engine.metrics_text)
+    link.start()
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        hello = core_pb2.FromApiServer(hello=core_pb2.ApiHello(pid=os.getpid()))
+        await sock.send(hello.SerializeToString())
+        async with asyncio.timeout(5):
+            await sock.recv()  # the core's status: it knows this server now
+        known = len(link.sinks) == 1
+        sock.close()
+        deadline = time.monotonic() + 5 * STATUS_INTERVAL_S
+        while link.sinks and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return known, bool(link.sinks)
+    finally:
+        ctx.term()
+        link.close()
+
+
+def test_the_core_drops_an_api_server_it_can_no_longer_reach(tmp_path):
+    known, still_counted = asyncio.run(_a_server_that_went_away(tmp_path))
+    assert known
+    assert not still_counted
 
 
 async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput]:

@@ -72,9 +72,18 @@ class ApiLink:
         self._tasks = [loop.create_task(self._read_forever()), loop.create_task(self._status())]
 
     def send(self, sink: ApiServerSink, msg: core_pb2.ToApiServer) -> None:
-        try:
-            self.sock.send_multipart([sink.identity, msg.SerializeToString()], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # gone (EHOSTUNREACH) or not reading (EAGAIN)
+        # The asyncio socket reports a failed send on the future it returns, never by raising:
+        # a non-blocking send is done at once, anything else once it has gone or failed.
+        sent = self.sock.send_multipart([sink.identity, msg.SerializeToString()], flags=zmq.NOBLOCK)
+        if sent.done():
+            self._check_sent(sink, sent)
+        else:
+            sent.add_done_callback(lambda f: self._check_sent(sink, f))
+
+    def _check_sent(self, sink: ApiServerSink, sent: asyncio.Future) -> None:
+        e = None if sent.cancelled() else sent.exception()
+        if e is not None and self.sinks.get(sink.identity) is sink:
+            # gone (EHOSTUNREACH) or not reading (EAGAIN at the high-water mark)
             log.error("API server %s cannot be reached (%s); dropping it", _name(sink), e)
             self.forget(sink.identity)
 
