@@ -249,6 +249,57 @@ async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput
         ctx.term()
 
 
+async def _requests_to_a_core_that_stopped_reading(tmp_path) -> tuple[int, BaseException | None]:
+    """A real CoreClient against a ROUTER standing in for a core that says it is ready and then
+    reads nothing: requests go out until the link is full. Returns how many went out before the
+    first that failed, and its error (None if none failed)."""
+    from orbit.http.core_client import CoreClient, SamplingParams
+
+    endpoint = f"ipc://{tmp_path}/core.sock"
+    ctx = zmq.asyncio.Context()
+    core = ctx.socket(zmq.ROUTER)
+    core.setsockopt(zmq.LINGER, 0)
+    core.bind(endpoint)
+    client = CoreClient(endpoint, 0, lambda: "", None, 64)
+    await client.start()
+    firsts = []
+    try:
+        identity, _ = await core.recv_multipart()  # its ApiHello
+        ready = core_pb2.ToApiServer(status=core_pb2.CoreStatus(ready=True))
+        await core.send_multipart([identity, ready.SerializeToString()])
+        async with asyncio.timeout(5):
+            while not client.is_ready():
+                await asyncio.sleep(0.01)
+        for i in range(LINK_FILL_LIMIT):
+            stream = client.generate(f"r{i}", [1, 2], SamplingParams(max_tokens=4))
+            first = asyncio.ensure_future(anext(stream))
+            firsts.append(first)
+            await asyncio.sleep(0)  # it sends its Generate, then waits for outputs
+            if first.done():
+                return i, first.exception()
+        return LINK_FILL_LIMIT, None
+    finally:
+        for first in firsts:
+            first.cancel()
+        await asyncio.gather(*firsts, return_exceptions=True)  # their aborts, before the close
+        client.close()
+        core.close()
+        ctx.term()
+
+
+LINK_FILL_LIMIT = 200_000  # far more messages than the link's queues and buffers hold
+
+
+def test_a_request_the_core_link_cannot_take_fails_at_once(tmp_path):
+    """It used to vanish into the asyncio socket's future and wait for outputs forever."""
+    from orbit.http.core_client import EngineOverloaded
+
+    sent, error = asyncio.run(_requests_to_a_core_that_stopped_reading(tmp_path))
+    assert sent < LINK_FILL_LIMIT
+    assert isinstance(error, EngineOverloaded)
+    assert "full" in str(error)
+
+
 @pytest.mark.parametrize("lagging", [False, True])
 def test_a_stream_that_fell_behind_takes_the_steps_waiting_as_one_output(tmp_path, lagging):
     got = asyncio.run(_steps_to_a_client(tmp_path, lagging))

@@ -196,7 +196,11 @@ class CoreClient:
         finished = False
         try:
             generate.sent_at = time.monotonic()
-            self._send(core_pb2.FromApiServer(generate=generate))
+            try:
+                self._send(core_pb2.FromApiServer(generate=generate))
+            except zmq.ZMQError as e:
+                finished = True  # it never reached the core: nothing to abort
+                raise EngineOverloaded(f"the link to the engine core is full ({e})") from None
             while True:
                 out = await outputs.get()
                 if out.error:
@@ -210,7 +214,8 @@ class CoreClient:
         finally:
             self._outputs.pop(key, None)
             if not finished and not self._dead:
-                self._send(core_pb2.FromApiServer(abort=core_pb2.Abort(seq_keys=[key])))
+                with contextlib.suppress(zmq.ZMQError):  # it runs on to max_tokens, unread
+                    self._send(core_pb2.FromApiServer(abort=core_pb2.Abort(seq_keys=[key])))
 
     async def metrics_text(self) -> str:
         """Every API server's HTTP metrics, summed, and the core's own."""
@@ -261,7 +266,15 @@ class CoreClient:
             raise EngineNotReady("the model is still loading")
 
     def _send(self, msg: core_pb2.FromApiServer) -> None:
-        self.sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
+        """Queue msg for the core; raises zmq.ZMQError when the link takes no more now (the
+        core stopped reading and the queue reached its high-water mark)."""
+        sent = self.sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
+        # The asyncio socket reports a failed send on the future it returns, never by raising;
+        # a non-blocking send is done at once.
+        if not sent.done():
+            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
+        elif sent.exception() is not None:
+            raise sent.exception()
 
     def _send_status(self) -> None:
         status = core_pb2.ApiStatus(metrics_text=self._own_metrics())
