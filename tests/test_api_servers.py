@@ -6,6 +6,7 @@ malformed messages and answers a sequence it cannot admit with an error output."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -125,8 +126,11 @@ def test_the_core_dying_ends_every_stream_with_an_error_event(tp2_pkg):
         s.stop()
 
 
-async def _link_scenario(tmp_path):
-    engine = Engine(EngineConfig(64, 4, 4, 32, (0,)), None)  # no ranks: never ready
+@contextlib.asynccontextmanager
+async def _core_link_and_a_server(tmp_path):
+    """A real ApiLink over an engine without ranks (never ready), and a DEALER connected to it
+    standing in for an API server."""
+    engine = Engine(EngineConfig(64, 4, 4, 32, (0,)), None)
     endpoint = f"ipc://{tmp_path}/core.sock"
     link = ApiLink(engine, endpoint, engine.metrics_text)
     link.start()
@@ -134,26 +138,32 @@ async def _link_scenario(tmp_path):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
-    await sock.send(b"\xff\xfe junk")
-    await sock.send_multipart([b"two", b"frames"])
-    generate = core_pb2.Generate(
-        seq_key=7, prompt_ids=[1, 2], max_tokens=4, sampling=wire_pb2.SamplingParams()
-    )
-    await sock.send(core_pb2.FromApiServer(generate=generate).SerializeToString())
-    outputs, status = [], None
-    async with asyncio.timeout(5):
-        while not outputs or status is None:
-            msg = core_pb2.ToApiServer()
-            msg.ParseFromString(await sock.recv())
-            if msg.WhichOneof("kind") == "outputs":
-                outputs += msg.outputs.outputs
-            elif msg.WhichOneof("kind") == "status":
-                status = msg.status
-    dropped = link.dropped_messages
-    sock.close()
-    ctx.term()
-    link.close()
-    return outputs, status, dropped
+    try:
+        yield link, sock
+    finally:
+        sock.close()
+        ctx.term()
+        link.close()
+
+
+async def _link_scenario(tmp_path):
+    async with _core_link_and_a_server(tmp_path) as (link, sock):
+        await sock.send(b"\xff\xfe junk")
+        await sock.send_multipart([b"two", b"frames"])
+        generate = core_pb2.Generate(
+            seq_key=7, prompt_ids=[1, 2], max_tokens=4, sampling=wire_pb2.SamplingParams()
+        )
+        await sock.send(core_pb2.FromApiServer(generate=generate).SerializeToString())
+        outputs, status = [], None
+        async with asyncio.timeout(5):
+            while not outputs or status is None:
+                msg = core_pb2.ToApiServer()
+                msg.ParseFromString(await sock.recv())
+                if msg.WhichOneof("kind") == "outputs":
+                    outputs += msg.outputs.outputs
+                elif msg.WhichOneof("kind") == "status":
+                    status = msg.status
+        return outputs, status, link.dropped_messages
 
 
 def test_the_core_link_drops_junk_and_refuses_what_it_cannot_admit(tmp_path):
@@ -169,15 +179,7 @@ async def _a_server_that_went_away(tmp_path) -> tuple[bool, bool]:
     """An API server registers (its hello), then its socket closes while its process lives on
     (a link cut or a server wedged past its socket): whether the core knew it, then whether it
     still counts it once its status heartbeats cannot reach it."""
-    engine = Engine(EngineConfig(64, 4, 4, 32, (0,)), None)
-    endpoint = f"ipc://{tmp_path}/core.sock"
-    link = ApiLink(engine, endpoint, engine.metrics_text)
-    link.start()
-    ctx = zmq.asyncio.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(endpoint)
-    try:
+    async with _core_link_and_a_server(tmp_path) as (link, sock):
         hello = core_pb2.FromApiServer(hello=core_pb2.ApiHello(pid=os.getpid()))
         await sock.send(hello.SerializeToString())
         async with asyncio.timeout(5):
@@ -188,9 +190,6 @@ async def _a_server_that_went_away(tmp_path) -> tuple[bool, bool]:
         while link.sinks and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         return known, bool(link.sinks)
-    finally:
-        ctx.term()
-        link.close()
 
 
 def test_the_core_drops_an_api_server_it_can_no_longer_reach(tmp_path):
@@ -199,11 +198,11 @@ def test_the_core_drops_an_api_server_it_can_no_longer_reach(tmp_path):
     assert not still_counted
 
 
-async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput]:
-    """A real CoreClient against a ROUTER standing in for the core, which sends one sequence
-    four steps of one token each (the last finishing it); lagging: the last three all arrive
-    before the stream asks for its next output."""
-    from orbit.http.core_client import CoreClient, SamplingParams
+@contextlib.asynccontextmanager
+async def _client_of_a_ready_core(tmp_path):
+    """A real CoreClient against a ROUTER standing in for the core, which took its hello and
+    told it it is ready: yields (client, the ROUTER, the client's identity)."""
+    from orbit.http.core_client import CoreClient
 
     endpoint = f"ipc://{tmp_path}/core.sock"
     ctx = zmq.asyncio.Context()
@@ -219,6 +218,20 @@ async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput
         async with asyncio.timeout(5):
             while not client.is_ready():
                 await asyncio.sleep(0.01)
+        yield client, core, identity
+    finally:
+        client.close()
+        core.close()
+        ctx.term()
+
+
+async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput]:
+    """The core sends one sequence four steps of one token each (the last finishing it);
+    lagging: the last three all arrive before the stream asks for its next output."""
+    from orbit.http.core_client import SamplingParams
+
+    async with _client_of_a_ready_core(tmp_path) as (client, core, identity):
+        async with asyncio.timeout(5):
             stream = client.generate("r", [1, 2], SamplingParams(max_tokens=4))
             first = asyncio.ensure_future(anext(stream))
             key = None
@@ -243,48 +256,28 @@ async def _steps_to_a_client(tmp_path, lagging: bool) -> list[core_pb2.SeqOutput
                 await asyncio.sleep(0.3)  # the reader task takes all three meanwhile
                 got += [out async for out in stream]
         return got
-    finally:
-        client.close()
-        core.close()
-        ctx.term()
 
 
 async def _requests_to_a_core_that_stopped_reading(tmp_path) -> tuple[int, BaseException | None]:
-    """A real CoreClient against a ROUTER standing in for a core that says it is ready and then
-    reads nothing: requests go out until the link is full. Returns how many went out before the
-    first that failed, and its error (None if none failed)."""
-    from orbit.http.core_client import CoreClient, SamplingParams
+    """The core reads nothing after saying it is ready: requests go out until the link is full.
+    Returns how many went out before the first that failed, and its error (None if none did)."""
+    from orbit.http.core_client import SamplingParams
 
-    endpoint = f"ipc://{tmp_path}/core.sock"
-    ctx = zmq.asyncio.Context()
-    core = ctx.socket(zmq.ROUTER)
-    core.setsockopt(zmq.LINGER, 0)
-    core.bind(endpoint)
-    client = CoreClient(endpoint, 0, lambda: "", None, 64)
-    await client.start()
-    firsts = []
-    try:
-        identity, _ = await core.recv_multipart()  # its ApiHello
-        ready = core_pb2.ToApiServer(status=core_pb2.CoreStatus(ready=True))
-        await core.send_multipart([identity, ready.SerializeToString()])
-        async with asyncio.timeout(5):
-            while not client.is_ready():
-                await asyncio.sleep(0.01)
-        for i in range(LINK_FILL_LIMIT):
-            stream = client.generate(f"r{i}", [1, 2], SamplingParams(max_tokens=4))
-            first = asyncio.ensure_future(anext(stream))
-            firsts.append(first)
-            await asyncio.sleep(0)  # it sends its Generate, then waits for outputs
-            if first.done():
-                return i, first.exception()
-        return LINK_FILL_LIMIT, None
-    finally:
-        for first in firsts:
-            first.cancel()
-        await asyncio.gather(*firsts, return_exceptions=True)  # their aborts, before the close
-        client.close()
-        core.close()
-        ctx.term()
+    async with _client_of_a_ready_core(tmp_path) as (client, _, _):
+        firsts = []
+        try:
+            for i in range(LINK_FILL_LIMIT):
+                stream = client.generate(f"r{i}", [1, 2], SamplingParams(max_tokens=4))
+                first = asyncio.ensure_future(anext(stream))
+                firsts.append(first)
+                await asyncio.sleep(0)  # it sends its Generate, then waits for outputs
+                if first.done():
+                    return i, first.exception()
+            return LINK_FILL_LIMIT, None
+        finally:
+            for first in firsts:
+                first.cancel()
+            await asyncio.gather(*firsts, return_exceptions=True)  # their aborts, before close
 
 
 LINK_FILL_LIMIT = 200_000  # far more messages than the link's queues and buffers hold
