@@ -201,9 +201,9 @@ def bench_few(name: str, m: int, bw: float) -> dict:
     return row
 
 
-# ---- split-K products of 64 rows (an experiment for issues 16 and 18) -------------------
+# ---- split-K products of 64 rows (an experiment for issues 18, 20 and 16) ---------------
 # At 64 rows the few-rows kernel lost to cuBLAS on every 8B shape and cuBLAS reads the weights
-# at about 60-80% of the copy rate: a 64-row tile of x over N = 4096 gives only 32-64 programs
+# at 66-88% of the copy rate: a 64-row tile of x over N = 4096 gives only 32-64 programs
 # for 132 SMs, and every program re-reads all of x. Here a program takes a BLOCK_N slice of the
 # weight over 1/SPLIT of K, so small-N shapes still fill the SMs; partial sums meet through
 # float32 atomics in a zeroed workspace, and a second kernel converts them and zeroes it again.
@@ -249,7 +249,7 @@ def _splitk_kernels():
             x = tl.load(x_ptr + rm[:, None] * x_stride + k[None, :], mask=(rm < M)[:, None])
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn < N)[:, None])
             acc = tl.dot(x, tl.trans(w), acc)
-        if SCALED:  # float8 x and w, per row scales: the sums scale linearly, so each part
+        if SCALED:  # float8 x and w scaled per row: a part's sum takes the scales on its own
             xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
             ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
             acc = acc * xs[:, None] * ws[None, :]
