@@ -166,6 +166,22 @@ FEW_SWEEP = [  # (BLOCK_N, BLOCK_K, stages, warps)
 ]
 
 
+def timed_tiles(label: str, tiles, calls, y: torch.Tensor, ref: torch.Tensor) -> list[dict]:
+    """calls: one function of a tile per weight copy, each writing y. For each tile that
+    compiles: its µs per call, all copies in one graph, and y's error against ref."""
+    timed = []
+    for tile in tiles:
+        try:
+            calls[0](tile)
+            err = rel_err(y, ref)
+            us = graph_us([lambda c=c, t=tile: c(t) for c in calls] * 4)
+        except Exception as e:  # a tile that does not compile (shared memory) is skipped
+            print(f"  {label} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        timed.append({"tile": tile, "us": us, "err": err})
+    return timed
+
+
 def bench_few(name: str, m: int, bw: float) -> dict:
     """cuBLAS against Orbit's few-rows kernel (W x^T on the tensor cores) over its tile sweep,
     and the tile runtime/cuda_ops.py picks, for an m-row product of the 8B shape `name`."""
@@ -183,18 +199,8 @@ def bench_few(name: str, m: int, bw: float) -> dict:
     row = {"name": name, "m": m, "weight_MB": nbytes / 1e6, "copy_rate_us": nbytes / bw * 1e6}
     row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
     row["picked_tile"] = cuda_ops._few_tile(n, k, m)
-    row["tiles"] = []
-    for tile in FEW_SWEEP:
-        try:
-            triton_kernels.few_rows_mm(x, ws[0], None, y, tile)
-            err = rel_err(y, ref)
-            us = graph_us(
-                [lambda w=w, t=tile: triton_kernels.few_rows_mm(x, w, None, y, t) for w in ws] * 4
-            )
-        except Exception as e:  # a tile that does not compile (shared memory) is skipped
-            print(f"  {name} M={m} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-            continue
-        row["tiles"].append({"tile": tile, "us": us, "err": err})
+    calls = [lambda t, w=w: triton_kernels.few_rows_mm(x, w, None, y, t) for w in ws]
+    row["tiles"] = timed_tiles(f"{name} M={m}", FEW_SWEEP, calls, y, ref)
     row["best"] = min(row["tiles"], key=lambda t: t["us"])
     picked = [t for t in row["tiles"] if tuple(t["tile"]) == row["picked_tile"]]
     row["picked_us"] = picked[0]["us"] if picked else None
@@ -344,25 +350,16 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
         ]
         row["few_rows_us"] = graph_us(few * 4)
         calls = [
-            lambda w=w, s=s, t=None: splitk_mm(xq, w, acc, y, t, xs=xs, ws=s)
-            for w, s in zip(ws, scales)
+            lambda t, w=w, s=s: splitk_mm(xq, w, acc, y, t, xs=xs, ws=s) for w, s in zip(ws, scales)
         ]
+        # the same bytes a step as bf16's tiles
+        tiles = [(bn, bk * 2, *rest) for bn, bk, *rest in SPLITK_SWEEP]
     else:
         ref = F.linear(x, ws[0]).float()
         row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
-        calls = [lambda w=w, t=None: splitk_mm(x, w, acc, y, t) for w in ws]
-    row["tiles"] = []
-    for tile in SPLITK_SWEEP:
-        if fp8:
-            tile = (tile[0], tile[1] * 2, *tile[2:])  # the same bytes a step
-        try:
-            calls[0](t=tile)
-            err = rel_err(y, ref)
-            us = graph_us([lambda c=c, t=tile: c(t=t) for c in calls] * 4)
-        except Exception as e:  # a tile that does not compile (shared memory) is skipped
-            print(f"  {name} M={m} {tile}: {type(e).__name__}: {str(e)[:100]}", flush=True)
-            continue
-        row["tiles"].append({"tile": tile, "us": us, "err": err})
+        calls = [lambda t, w=w: splitk_mm(x, w, acc, y, t) for w in ws]
+        tiles = SPLITK_SWEEP
+    row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls, y, ref)
     row["best"] = min(row["tiles"], key=lambda t: t["us"])
     return row
 
