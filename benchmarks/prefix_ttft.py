@@ -1,7 +1,7 @@
 """Issue 18's cached-prefix TTFT through HTTP, with the server's own split of each first token.
 
 Starts `orbit serve PACKAGE --log-level info`, then sends streamed /v1/completions of token ids
-one at a time through plain HTTP (httpx; the body encoded before the clock starts), 2 new tokens
+one at a time through plain HTTP (a bare HTTP/1.1 request: serving_sweep.first_data_s), 2 new tokens
 each:
 - uncached: --probes prompts of --prefix-tokens + --turn-tokens ids, no two sharing a prefix;
 - cached: one request of a prefix and a turn (caches the prefix), then --probes requests of the
@@ -25,34 +25,31 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import httpx
-
 from benchmarks.serving_sweep import first_data_s, prompt_ids, served, served_model
 
 _SPLIT = re.compile(r"tokens_in=(\d+) .*ttft=([\d.]+)ms\(([^)]*)\)")
 
 
-async def _ttft_s(client: httpx.AsyncClient, url: str, model: str, ids: list[int]) -> float:
+async def _ttft_s(url: str, model: str, ids: list[int]) -> float:
     body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "ignore_eos": True}
-    return await first_data_s(client, url, "unused", body)
+    return await asyncio.wait_for(first_data_s(url, "unused", body), 600)
 
 
 async def _groups(url: str, model: str, args) -> dict[str, list[float]]:
     prefix_n, turn_n, vocab = args.prefix_tokens, args.turn_tokens, args.vocab_size
     salt = iter(range(10**6, 10**7))
     out: dict[str, list[float]] = {"uncached": [], "cached": [], "short": []}
-    async with httpx.AsyncClient(timeout=600) as client:
-        for i in range(args.warm_up + args.probes):
-            ids = prompt_ids(prefix_n + turn_n, next(salt), vocab)
-            out["uncached"].append(await _ttft_s(client, url, model, ids))
-        prefix = prompt_ids(prefix_n, next(salt), vocab)
-        await _ttft_s(client, url, model, prefix + prompt_ids(turn_n, next(salt), vocab))
-        for i in range(args.warm_up + args.probes):
-            ids = prefix + prompt_ids(turn_n, next(salt), vocab)
-            out["cached"].append(await _ttft_s(client, url, model, ids))
-        for i in range(args.warm_up + args.probes):
-            ids = prompt_ids(turn_n, next(salt), vocab)
-            out["short"].append(await _ttft_s(client, url, model, ids))
+    for i in range(args.warm_up + args.probes):
+        ids = prompt_ids(prefix_n + turn_n, next(salt), vocab)
+        out["uncached"].append(await _ttft_s(url, model, ids))
+    prefix = prompt_ids(prefix_n, next(salt), vocab)
+    await _ttft_s(url, model, prefix + prompt_ids(turn_n, next(salt), vocab))
+    for i in range(args.warm_up + args.probes):
+        ids = prefix + prompt_ids(turn_n, next(salt), vocab)
+        out["cached"].append(await _ttft_s(url, model, ids))
+    for i in range(args.warm_up + args.probes):
+        ids = prompt_ids(turn_n, next(salt), vocab)
+        out["short"].append(await _ttft_s(url, model, ids))
     return {k: v[args.warm_up :] for k, v in out.items()}
 
 
