@@ -339,7 +339,13 @@ async def batch_part(args) -> dict:
     report["method"] = method
     async with local_ranks(pkg, args.device, args.kv_pages, draft=args.draft) as link:
         for salt in (0, 2 * args.users):  # off and on draw the same prompts in a round
-            for spec in (None, SpeculationConfig(method, num_tokens=args.spec_tokens)):
+            on = SpeculationConfig(
+                method,
+                num_tokens=args.spec_tokens,
+                ngram_min=args.ngram_min,
+                ngram_max=max(4, args.ngram_min),
+            )
+            for spec in (None, on):
                 key = "on" if spec else "off"
                 config = replace(engine_config(pkg, overlap=True), speculation=spec)
                 async with running_engine(config, link) as engine:
@@ -508,7 +514,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--kv-pages", type=int, default=0, help="per rank; 0 sizes from memory")
     p.add_argument("--spec-tokens", type=int, default=4)
     p.add_argument(
-        "--ngram-min", type=int, default=2, help="copy: the shortest n-gram a proposal matches"
+        "--ngram-min",
+        type=int,
+        default=2,
+        help="copy, batch: the shortest n-gram a proposal matches",
     )
     p.add_argument("--max-tokens", type=int, default=320, help="copy: new tokens at most")
     p.add_argument("--users", type=int, default=64, help="batch: concurrent streams")
