@@ -211,8 +211,13 @@ def bench_few(name: str, m: int, bw: float) -> dict:
 # At 64 rows the few-rows kernel lost to cuBLAS on every 8B shape and cuBLAS reads the weights
 # at 66-88% of the copy rate: a 64-row tile of x over N = 4096 gives only 32-64 programs
 # for 132 SMs, and every program re-reads all of x. Here a program takes a BLOCK_N slice of the
-# weight over 1/SPLIT of K, so small-N shapes still fill the SMs; partial sums meet through
-# float32 atomics in a zeroed workspace, and a second kernel converts them and zeroes it again.
+# weight over 1/SPLIT of K, so small-N shapes still fill the SMs. The partial sums meet in a
+# float32 workspace in one of two ways: each split stores its own part and a second kernel sums
+# the parts in a fixed order ("parts": the same result on every run, and the workspace needs no
+# zeroing, so a graph can take it from its pool), or they add through float32 atomics into a
+# zeroed workspace that the second kernel converts and zeroes again ("atomic": no second pass
+# over the parts, but the sum's order, and so its rounding, changes from run to run). Every
+# tile is timed as parts; the best tile also as atomic, to show what determinism costs.
 
 SPLITK_SWEEP = [  # (BLOCK_N, BLOCK_K, SPLIT, stages, warps)
     *((bn, bk, sp, 4, 4) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8)),
@@ -220,6 +225,7 @@ SPLITK_SWEEP = [  # (BLOCK_N, BLOCK_K, SPLIT, stages, warps)
     (256, 64, 4, 3, 8),
     (256, 64, 8, 3, 8),
 ]
+_DIRECT, _ATOMIC, _PARTS = 0, 1, 2  # how a program leaves its sums (splitk's MODE)
 
 
 @functools.cache
@@ -242,7 +248,7 @@ def _splitk_kernels():
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        ATOMIC: tl.constexpr,
+        MODE: tl.constexpr,
         SCALED: tl.constexpr,
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,25 +267,32 @@ def _splitk_kernels():
             acc = acc * xs[:, None] * ws[None, :]
         ptrs = acc_ptr + rm[:, None] * N + rn[None, :]
         mask = (rm < M)[:, None] & (rn < N)[None, :]
-        if ATOMIC:
+        if MODE == 1:
             tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
+        elif MODE == 2:
+            tl.store(ptrs + tl.program_id(1) * M * N, acc, mask=mask)
         else:
             tl.store(ptrs, acc.to(acc_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def settle(acc_ptr, out_ptr, total, BLOCK: tl.constexpr):
+    def settle(
+        acc_ptr, out_ptr, total, PARTS: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr
+    ):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         a = tl.load(acc_ptr + i, mask=i < total)
+        for p in tl.static_range(1, PARTS):
+            a += tl.load(acc_ptr + p * total + i, mask=i < total)
         tl.store(out_ptr + i, a.to(out_ptr.dtype.element_ty), mask=i < total)
-        tl.store(acc_ptr + i, tl.zeros_like(a), mask=i < total)
+        if ZERO:
+            tl.store(acc_ptr + i, tl.zeros_like(a), mask=i < total)
 
     return splitk, settle
 
 
-def splitk_mm(x, w, acc, out, tile, xs=None, ws=None) -> None:
-    """out [M, N] = x [M, K] @ w [N, K]^T; acc: a zeroed float32 [M, N] workspace, zeroed
-    again on return (SPLIT > 1). With xs [M] and ws [N], x and w are float8 scaled per row.
-    tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
+def splitk_mm(x, w, acc, out, tile, xs=None, ws=None, atomic: bool = False) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T. acc: a float32 workspace of SPLIT x M x N (parts),
+    or of M x N, zeroed, and zeroed again on return (atomic). With xs [M] and ws [N], x and w
+    are float8 scaled per row. tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
     import triton
 
     splitk, settle = _splitk_kernels()
@@ -288,13 +301,13 @@ def splitk_mm(x, w, acc, out, tile, xs=None, ws=None) -> None:
     block_n, block_k, split, stages, warps = tile
     if k % (split * block_k):
         raise ValueError(f"K {k} is not a multiple of SPLIT x BLOCK_K {split * block_k}")
-    atomic = split > 1
+    mode = _DIRECT if split == 1 else _ATOMIC if atomic else _PARTS
     splitk[(triton.cdiv(n, block_n), split)](
         x,
         w,
         xs if xs is not None else x,
         ws if ws is not None else w,
-        acc if atomic else out,
+        out if mode == _DIRECT else acc,
         m,
         n,
         x.stride(0),
@@ -303,18 +316,20 @@ def splitk_mm(x, w, acc, out, tile, xs=None, ws=None) -> None:
         ROWS=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ATOMIC=atomic,
+        MODE=mode,
         SCALED=xs is not None,
         num_stages=stages,
         num_warps=warps,
     )
-    if atomic:
-        settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, BLOCK=1024)
+    if mode != _DIRECT:
+        parts = 1 if atomic else split
+        settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, PARTS=parts, ZERO=atomic, BLOCK=1024)
 
 
 def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
     """cuBLAS (cuBLASLt's row-wise scaled GEMM for float8) against the split-K kernel over its
-    sweep, for an m-row product of `name`; float8: also the few-rows kernel's FP8 tile."""
+    sweep (parts; the best tile also atomic), for an m-row product of `name`; float8: also the
+    few-rows kernel's FP8 tile."""
     from runtime import triton_kernels
 
     n, k = LINEARS[name]
@@ -325,7 +340,9 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
     ]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    acc = torch.zeros(m, n, device="cuda", dtype=torch.float32)
+    splits = max(t[2] for t in SPLITK_SWEEP)
+    parts = torch.empty(splits * m * n, device="cuda", dtype=torch.float32)
+    zeroed = torch.zeros(m * n, device="cuda", dtype=torch.float32)
     row = {"name": name, "m": m, "fp8": fp8, "weight_MB": nbytes / 1e6}
     row["copy_rate_us"] = nbytes / bw * 1e6
     if fp8:
@@ -349,18 +366,33 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
             for w, s in zip(ws, scales)
         ]
         row["few_rows_us"] = graph_us(few * 4)
-        calls = [
-            lambda t, w=w, s=s: splitk_mm(xq, w, acc, y, t, xs=xs, ws=s) for w, s in zip(ws, scales)
-        ]
+
+        def calls(atomic):
+            return [
+                lambda t, w=w, s=s: splitk_mm(
+                    xq, w, zeroed if atomic else parts, y, t, xs=xs, ws=s, atomic=atomic
+                )
+                for w, s in zip(ws, scales)
+            ]
+
         # the same bytes a step as bf16's tiles
         tiles = [(bn, bk * 2, *rest) for bn, bk, *rest in SPLITK_SWEEP]
     else:
         ref = F.linear(x, ws[0]).float()
         row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
-        calls = [lambda t, w=w: splitk_mm(x, w, acc, y, t) for w in ws]
+
+        def calls(atomic):
+            return [
+                lambda t, w=w: splitk_mm(x, w, zeroed if atomic else parts, y, t, atomic=atomic)
+                for w in ws
+            ]
+
         tiles = SPLITK_SWEEP
-    row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls, y, ref)
+    row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls(False), y, ref)
     row["best"] = min(row["tiles"], key=lambda t: t["us"])
+    if row["best"]["tile"][2] > 1:
+        atomic = timed_tiles(f"{name} M={m} atomic", [row["best"]["tile"]], calls(True), y, ref)
+        row["best_atomic"] = atomic[0] if atomic else None
     return row
 
 
@@ -595,6 +627,8 @@ def main(argv=None) -> int:
                 result["splitk"].append(r)
                 b = r["best"]
                 few = f"  few-rows {r['few_rows_us']:6.1f} µs" if "few_rows_us" in r else ""
+                atomic = r.get("best_atomic")
+                few += f"  atomic {atomic['us']:6.1f} µs" if atomic else ""
                 print(
                     f"splitk{' fp8' if r['fp8'] else ''} {name:>8} M={m:>3} copy "
                     f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs{few}  best "
