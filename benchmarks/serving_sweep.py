@@ -638,10 +638,9 @@ TTFT_WARMUP = 2  # unmeasured requests of the probe's length first: its prefill 
 def ttft_probe(pool: ClientPool, base: ClientJob, prompt_tokens: int) -> dict:
     """TTFT of a prompt_tokens prompt sent alone, TTFT_PROBES times one after another (each a
     prompt of its own): the prefill's latency through HTTP. `ttft_ms` is what a plain HTTP
-    client sees (first_data_s: a bare HTTP/1.1 request, body encoded and socket connected before the
-    clock starts); `openai_client_ttft_ms` is
-    what the official client sees sending token ids, which adds its own work in the client
-    process (for 2,048 ids, 33-44 ms of request building on the H200 host, 2026-12-03; 18 ms on
+    client sees (first_data_s: a bare HTTP/1.1 request, body encoded and socket connected
+    before the clock starts); `openai_client_ttft_ms` is what the official client sees
+    sending token ids, which adds its own work in the client process (for 2,048 ids, 33-44 ms of request building on the H200 host, 2026-12-03; 18 ms on
     the 2-core VM, where the same prompt as text takes 0.6 ms); `openai_client_text_ttft_ms`
     the official client sending text of exactly prompt_tokens tokens, as applications do: the
     server's tokenization is then inside the figure."""
