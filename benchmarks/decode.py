@@ -75,17 +75,34 @@ def parse_args(argv):
     p.add_argument(
         "--cublas-few-rows",
         action="store_true",
-        help="the baseline: products of 2 to 32 rows through cuBLAS, not Orbit's few-rows kernel",
+        help="the baseline: products of 2 to 64 rows through cuBLAS, not Orbit's kernels",
+    )
+    p.add_argument(
+        "--split-rows",
+        type=int,
+        default=0,
+        help="products of 33 to this many rows (64 at most) through the split-K kernel "
+        "(runtime/cuda_ops.py SPLIT_ROWS; 0: as the code has it)",
     )
     return p.parse_args(argv)
 
 
 def use_cublas_for_few_rows() -> None:
     """Products of more than one row through cuBLAS, as before runtime/cuda_ops.py's few-rows
-    kernel: the same run's baseline for it."""
+    kernel (and its split-K kernel, when on): the same run's baseline for them."""
     from runtime import cuda_ops
 
-    cuda_ops.HALF_FEW_ROWS = 1
+    cuda_ops.HALF_FEW_ROWS = cuda_ops.SPLIT_ROWS = 1
+
+
+def use_split_k_up_to(rows: int) -> None:
+    """Products of 33 to `rows` rows through the split-K kernel, for a run to time it against
+    the code's choice (cuBLAS; the few-rows kernel for FP8)."""
+    from runtime import cuda_ops
+
+    if not cuda_ops.HALF_FEW_ROWS < rows <= 64:
+        raise SystemExit(f"--split-rows must be in {cuda_ops.HALF_FEW_ROWS + 1}..64, got {rows}")
+    cuda_ops.SPLIT_ROWS = rows
 
 
 # ---- ceilings measured in this run ------------------------------------------------------
@@ -397,6 +414,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
+    if args.split_rows:
+        use_split_k_up_to(args.split_rows)
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

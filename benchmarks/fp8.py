@@ -28,6 +28,7 @@ from benchmarks.decode import (
     measure_decode,
     measure_ttft,
     random_shard,
+    use_split_k_up_to,
 )
 from runtime.runner import SeqInput
 
@@ -152,7 +153,15 @@ def main(argv=None) -> int:
     p.add_argument("--fused-decode-max-bucket", type=int, default=8)
     p.add_argument("--sweep", action="store_true", help="also the FP8 GEMV tile sweep")
     p.add_argument("--sweep-only", action="store_true")
+    p.add_argument(
+        "--split-rows",
+        type=int,
+        default=0,
+        help="products of 33 to this many rows through the split-K kernel (bf16 and FP8 alike)",
+    )
     args = p.parse_args(argv)
+    if args.split_rows:
+        use_split_k_up_to(args.split_rows)
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

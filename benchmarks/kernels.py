@@ -390,6 +390,19 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
         tiles = SPLITK_SWEEP
     row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls(False), y, ref)
     row["best"] = min(row["tiles"], key=lambda t: t["us"])
+    # What the runtime runs: its kernel (parts, bias and K masks) with the tile its rule picks.
+    from runtime import cuda_ops
+
+    row["picked_tile"] = cuda_ops._split_tile(n, k, fp8, y.device)
+    if fp8:
+        runtime_calls = [
+            lambda t, w=w, s=s: triton_kernels.split_k_mm(xq, w, None, y, t, xs=xs, ws=s)
+            for w, s in zip(ws, scales)
+        ]
+    else:
+        runtime_calls = [lambda t, w=w: triton_kernels.split_k_mm(x, w, None, y, t) for w in ws]
+    picked = timed_tiles(f"{name} M={m} picked", [row["picked_tile"]], runtime_calls, y, ref)
+    row["picked_us"] = picked[0]["us"] if picked else None
     if row["best"]["tile"][2] > 1:
         atomic = timed_tiles(f"{name} M={m} atomic", [row["best"]["tile"]], calls(True), y, ref)
         row["best_atomic"] = atomic[0] if atomic else None
@@ -629,6 +642,7 @@ def main(argv=None) -> int:
                 few = f"  few-rows {r['few_rows_us']:6.1f} µs" if "few_rows_us" in r else ""
                 atomic = r.get("best_atomic")
                 few += f"  atomic {atomic['us']:6.1f} µs" if atomic else ""
+                few += f"  picked {r['picked_us'] or float('nan'):6.1f} µs {r['picked_tile']}"
                 print(
                     f"splitk{' fp8' if r['fp8'] else ''} {name:>8} M={m:>3} copy "
                     f"{r['copy_rate_us']:6.1f} µs  cuBLAS {r['cublas_us']:6.1f} µs{few}  best "

@@ -102,15 +102,47 @@ def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     return (64, 128, 4, 4) if n > 8192 else (64, 128, 6, 4)
 
 
+# Beyond HALF_FEW_ROWS and up to SPLIT_ROWS rows, products take the split-K kernel. Off
+# (SPLIT_ROWS = HALF_FEW_ROWS: cuBLAS, and the few-rows kernel for FP8, as before) until the
+# GPU has timed it against them: `benchmarks.decode --split-rows 64` turns it on for one run
+# (benchmarks/NOTES-gpu.md).
+SPLIT_ROWS = HALF_FEW_ROWS
+
+
+def split_rows(x: torch.Tensor) -> bool:
+    """A decode step of 33-64 sequences or a 33-64-token prefill step (issue 18's cached turn),
+    once SPLIT_ROWS is 64: products that still read every weight for few rows, where a 64-row
+    tile of N = 4096 gives 64 programs for 132 SMs and cuBLAS reads the weights at 66-88% of
+    the copy rate."""
+    return HALF_FEW_ROWS < x.shape[0] <= SPLIT_ROWS and x.stride(1) == 1
+
+
+def _split_tile(n: int, k: int, fp8: bool, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, stages, warps) of the split-K kernel: 64 columns a program,
+    the K range split in two until the programs are twice the SMs or a part would be under
+    four blocks deep. FP8 blocks are twice as deep (the same bytes a block)."""
+    from runtime import triton_kernels
+
+    block_n, block_k = 64, 128 if fp8 else 64
+    tiles, target, split = -(-n // block_n), 2 * triton_kernels.num_sms(device), 1
+    while tiles * split < target and k // (block_k * split * 2) >= 4:
+        split *= 2
+    return (block_n, block_k, split, 4, 4)
+
+
 def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ w [N, K]^T (+ bias) for T > 1 bf16/fp16 rows: Orbit's few-rows kernel up to
-    HALF_FEW_ROWS, cuBLAS beyond."""
-    if not few_rows(x):
+    HALF_FEW_ROWS, its split-K kernel up to SPLIT_ROWS (when on), cuBLAS beyond."""
+    few, split = few_rows(x), split_rows(x)
+    if not (few or split):
         return F.linear(x, w, bias)
     from runtime import triton_kernels
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, x.shape[0]))
+    if few:
+        triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, x.shape[0]))
+    else:
+        triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False, x.device))
     return out
 
 
@@ -174,22 +206,26 @@ def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     return out, scales
 
 
-FEW_ROWS = 64  # up to this many rows, W x^T in Triton beats cuBLASLt (benchmarks/fp8.py)
+FEW_ROWS = 64  # up to this many rows, Triton beats cuBLASLt (benchmarks/fp8.py)
 
 
 def fp8_rowwise_mm(
     x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """x [T, K] @ (w [N, K] float8 * scale [N] per row)^T (+ bias), on the FP8 tensor cores
-    with x quantized per token: up to FEW_ROWS rows (decode batches) Orbit's Triton kernel,
-    which takes the weight's rows as the tensor cores' long side (0.6-0.7x cuBLASLt's time
-    there on the 8B shapes, H200), more rows cuBLASLt's row-wise scaled GEMM."""
+    with x quantized per token: up to HALF_FEW_ROWS rows (decode batches) Orbit's few-rows
+    kernel, which takes the weight's rows as the tensor cores' long side (0.6-0.7x cuBLASLt's
+    time there on the 8B shapes, H200), and beyond that up to FEW_ROWS too unless SPLIT_ROWS
+    takes them to the split-K kernel; more rows cuBLASLt's row-wise scaled GEMM."""
     xq, xs = quantize_rows(x, x.shape[1])
     if x.shape[0] <= FEW_ROWS:
         from runtime import triton_kernels
 
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        if x.shape[0]:
+        if split_rows(x):
+            tile = _split_tile(*w.shape, True, x.device)
+            triton_kernels.split_k_mm(xq, w, bias, out, tile, xs=xs, ws=scale)
+        elif x.shape[0]:
             triton_kernels.few_rows_mm(xq, w, bias, out, (64, 256, 4, 4), xs=xs, ws=scale)
         return out
     out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)

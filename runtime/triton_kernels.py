@@ -368,7 +368,7 @@ def decode_splits(batch: int, kv_heads: int, device) -> int:
     """Splits of the context per (row, kv head) in decode_attention: enough programs to give
     every SM about two, at most 32 (a split has MIN_CHUNK tokens at least, so short contexts
     use fewer). Four per SM, up to 64, measured slower on the H200."""
-    want = triton.cdiv(2 * _num_sms(device), batch * kv_heads)
+    want = triton.cdiv(2 * num_sms(device), batch * kv_heads)
     return max(1, min(32, triton.next_power_of_2(want)))
 
 
@@ -653,7 +653,7 @@ def gemv_rows(
             BLOCK_COLS=cols,
         )
     blocks = triton.cdiv(n, block_n)
-    grid = min(blocks, per_sm * _num_sms(out.device))
+    grid = min(blocks, per_sm * num_sms(out.device))
     _gemv_rows_kernel[(grid,)](
         x,
         residual if residual is not None else x,
@@ -854,8 +854,129 @@ def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
     )
 
 
+@triton.jit
+def _split_k_kernel(
+    x_ptr,
+    w_ptr,
+    xs_ptr,
+    ws_ptr,
+    y_ptr,
+    M,
+    N,
+    x_stride,
+    K: tl.constexpr,
+    K_PART: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PARTS: tl.constexpr,
+    SCALED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    b_ptr,
+):
+    # Program (n tile, part): x [M, K_PART slice] @ w [BLOCK_N, K_PART slice]^T. With one part
+    # it writes y (+ bias) itself; with several, its float32 sum goes to its own slice of the
+    # parts buffer y_ptr [PARTS, M, N] and _split_k_sum adds them in order: no atomics, so a
+    # product rounds the same on every run.
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    part = tl.program_id(1)
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(part * K_PART, (part + 1) * K_PART, BLOCK_K):
+        k = k0 + rk
+        x = tl.load(
+            x_ptr + rm[:, None] * x_stride + k[None, :],
+            mask=(rm < M)[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + rn[:, None].to(tl.int64) * K + k[None, :],
+            mask=(rn < N)[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(x, tl.trans(w), acc)
+    if SCALED:  # each part takes the scales on its own: the sum of scaled parts is the product
+        xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
+        ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
+        acc = acc * xs[:, None] * ws[None, :]
+    mask = (rm < M)[:, None] & (rn < N)[None, :]
+    if PARTS == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(y_ptr + (part * M + rm[:, None]) * N + rn[None, :], acc, mask=mask)
+
+
+@triton.jit
+def _split_k_sum(
+    parts_ptr,
+    b_ptr,
+    y_ptr,
+    total,
+    N,
+    PARTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(parts_ptr + i, mask=i < total, other=0.0)
+    for p in tl.static_range(1, PARTS):
+        a += tl.load(parts_ptr + p * total + i, mask=i < total, other=0.0)
+    if HAS_BIAS:
+        a += tl.load(b_ptr + i % N, mask=i < total, other=0.0).to(tl.float32)
+    tl.store(y_ptr + i, a.to(y_ptr.dtype.element_ty), mask=i < total)
+
+
+def split_k_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64 rows, each of x contiguous (any
+    row stride), K split into SPLIT parts so that narrow weights still give every SM programs;
+    with xs [M] and ws [N], x and w are float8 scaled per row. tile = (BLOCK_N, BLOCK_K, SPLIT,
+    stages, warps). With SPLIT > 1 the parts take a float32 buffer of SPLIT x M x N from the
+    allocator (inside a capture, the graph's pool: every replay writes it before reading)."""
+    m, k = x.shape
+    n = w.shape[0]
+    block_n, block_k, split, stages, warps = tile
+    k_part = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = triton.cdiv(k, k_part)  # no empty part
+    parts = out if split == 1 else torch.empty(split * m * n, dtype=torch.float32, device=x.device)
+    _split_k_kernel[(triton.cdiv(n, block_n), split)](
+        x,
+        w,
+        xs if xs is not None else x,
+        ws if ws is not None else w,
+        parts,
+        m,
+        n,
+        x.stride(0),
+        K=k,
+        K_PART=k_part,
+        ROWS=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PARTS=split,
+        SCALED=xs is not None,
+        HAS_BIAS=bias is not None,
+        b_ptr=bias if bias is not None else w,
+        num_stages=stages,
+        num_warps=warps,
+    )
+    if split > 1:
+        _split_k_sum[(triton.cdiv(m * n, 1024),)](
+            parts,
+            bias if bias is not None else w,
+            out,
+            m * n,
+            n,
+            PARTS=split,
+            HAS_BIAS=bias is not None,
+            BLOCK=1024,
+        )
+
+
 @functools.cache
-def _num_sms(device) -> int:
+def num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 

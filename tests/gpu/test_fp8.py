@@ -110,6 +110,26 @@ def test_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, re
     )
 
 
+@pytest.mark.parametrize("tokens", [33, 64])
+@pytest.mark.parametrize("n,k,quant", [c for c in CASES if c[2] is CHANNEL])
+def test_split_k_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, monkeypatch):
+    """33 to 64 rows of per-row-scaled FP8 through the split-K kernel once SPLIT_ROWS takes them
+    (off until timed on the GPU): each part takes the scales on its own, the parts are summed
+    in a fixed order, so the product is the same on every call."""
+    monkeypatch.setattr(cuda_ops, "SPLIT_ROWS", 64)
+    g, w8, scale, w = _weights(n, k, quant, 7)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    assert cuda_ops.split_rows(x)
+    xq = _quantized_activations(x, k)
+    for b in (None, bias):
+        got = cuda_ops.fp8_rowwise_mm(x, w8, scale, b)
+        ref = xq @ w.T + (0 if b is None else b.float())
+        assert got.shape == (tokens, n) and got.dtype == torch.bfloat16
+        assert rel_error(got.float(), ref) <= TOL
+        assert torch.equal(got, cuda_ops.fp8_rowwise_mm(x, w8, scale, b))
+
+
 @pytest.mark.parametrize("quant", [CHANNEL, BLOCK])
 def test_model_logits_match_dequantized_reference(quant, report):
     """The 4-layer random Llama of test_cuda_runner with its linear weights in FP8, through

@@ -1,8 +1,8 @@
 """Orbit's one-row GEMV kernels (runtime/cuda_ops.py, runtime/triton_kernels.py) against
 float32 PyTorch of the same bf16 inputs: plain, with bias, SiLU-mul fused before the product,
-add + RMSNorm fused before it; and its few-rows kernel (W x^T) for 2 to 32 rows. Shapes
-include rows that do not fill a block and rows shorter than a chunk, as the SmolLM2 and odd TP
-slices give."""
+add + RMSNorm fused before it; its few-rows kernel (W x^T) for 2 to 32 rows and its split-K
+kernel for 33 to 64. Shapes include rows that do not fill a block and rows shorter than a
+chunk, as the SmolLM2 and odd TP slices give."""
 
 from __future__ import annotations
 
@@ -87,6 +87,28 @@ def test_few_rows_match_float32(n, k):
     x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16, generator=g)
     rows = torch.cat([cuda_ops.linear(x[i : i + 1], w, None) for i in range(5)])
     assert rel_error(rows.float(), cuda_ops.linear(x, w, None).float()) <= TOL
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_split_k_rows_match_float32(n, k, monkeypatch):
+    """33 to 64 rows through the split-K kernel once SPLIT_ROWS takes them (it is off until the
+    GPU has timed it against cuBLAS): rows of a wider tensor too, with and without bias, and
+    the same result on every call (its parts are summed in a fixed order, never by atomics)."""
+    monkeypatch.setattr(cuda_ops, "SPLIT_ROWS", 64)
+    g, w, _ = _inputs(n, k, 6)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    for m in (cuda_ops.HALF_FEW_ROWS + 1, 40, 64):
+        wide = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16, generator=g)
+        for x in (wide[:, :k].contiguous(), wide[:, :k]):
+            assert cuda_ops.split_rows(x)
+            for b in (None, bias):
+                got = cuda_ops.linear(x, w, b)
+                ref = torch.nn.functional.linear(
+                    x.float(), w.float(), None if b is None else b.float()
+                )
+                assert got.shape == (m, n) and got.dtype == torch.bfloat16
+                assert rel_error(got.float(), ref) <= TOL, (m, b is None)
+                assert torch.equal(got, cuda_ops.linear(x, w, b))
 
 
 def test_few_rows_silu_and_mul_linear_matches_float32():
