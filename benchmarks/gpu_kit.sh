@@ -5,7 +5,7 @@
 # It writes (all git-ignored through .git/info/exclude):
 #   .gpu/             the shared kit: FlashInfer, pyzmq, FastAPI, asyncssh, FlashInfer's JIT cache
 #   .whl/             the official openai client and gguf, with what they need beyond the image
-#                     and .gpu (Python 3.12 wheels)
+#                     and .gpu, and xgrammar (Python 3.12 wheels)
 #   .gputok/          the SmolLM2 tokenizer, for packages built there (benchmarks.random_package)
 #   .gga/ .ggb/ .ggc/ the SmolLM2-135M-Instruct GGUF in three parts (a call carries 64 MiB at
 #                     most, the tree included), .ggc/sha256 the whole file's digest
@@ -32,6 +32,10 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
   -d .whl openai gguf
 rm -f .whl/numpy-* .whl/pydantic-* .whl/pydantic_core-* .whl/annotated_types-* \
   .whl/typing_inspection-* .whl/tqdm-* .whl/pyyaml-*
+# The ranks build the grammar compiler at start-up and the image has no xgrammar; its other
+# needs (torch, transformers, triton, apache-tvm-ffi, pydantic) are in the image or .gpu.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --platform manylinux_2_28_x86_64 --implementation cp -d .whl xgrammar==0.2.9
 
 gguf=$(python3 -c 'from orbit.default_model import default_gguf; print(default_gguf())')
 work=$(mktemp -d)

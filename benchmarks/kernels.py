@@ -393,7 +393,7 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
     # What the runtime runs: its kernel (parts, bias and K masks) with the tile its rule picks.
     from runtime import cuda_ops
 
-    row["picked_tile"] = cuda_ops._split_tile(n, k, fp8, y.device)
+    row["picked_tile"] = cuda_ops._split_tile(n, k, fp8)
     if fp8:
         runtime_calls = [
             lambda t, w=w, s=s: triton_kernels.split_k_mm(xq, w, None, y, t, xs=xs, ws=s)

@@ -102,10 +102,12 @@ def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     return (64, 128, 4, 4) if n > 8192 else (64, 128, 6, 4)
 
 
-# Beyond HALF_FEW_ROWS and up to SPLIT_ROWS rows, products take the split-K kernel. Off
-# (SPLIT_ROWS = HALF_FEW_ROWS: cuBLAS, and the few-rows kernel for FP8, as before) until the
-# GPU has timed it against them: `benchmarks.decode --split-rows 64` turns it on for one run
-# (benchmarks/NOTES-gpu.md).
+# Beyond HALF_FEW_ROWS and up to SPLIT_ROWS rows, products could take the split-K kernel. Off
+# (SPLIT_ROWS = HALF_FEW_ROWS: cuBLAS, and the few-rows kernel for FP8): on an H100 at 64 rows
+# (2026-12-05, benchmarks/kernels.py --part splitk) its best tiles tied cuBLAS on the 8B shapes
+# (bf16: 170.8 against 169.7 µs a layer) and beat the FP8 few-rows tile by 5% (94.2 against
+# 99.0 µs), below what a step would show; `benchmarks.fp8 --split-rows 64` is the A/B that
+# would decide FP8 (benchmarks/NOTES-gpu.md).
 SPLIT_ROWS = HALF_FEW_ROWS
 
 
@@ -117,17 +119,11 @@ def split_rows(x: torch.Tensor) -> bool:
     return HALF_FEW_ROWS < x.shape[0] <= SPLIT_ROWS and x.stride(1) == 1
 
 
-def _split_tile(n: int, k: int, fp8: bool, device: torch.device) -> tuple[int, int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, SPLIT, stages, warps) of the split-K kernel: 64 columns a program,
-    the K range split in two until the programs are twice the SMs or a part would be under
-    four blocks deep. FP8 blocks are twice as deep (the same bytes a block)."""
-    from runtime import triton_kernels
-
-    block_n, block_k = 64, 128 if fp8 else 64
-    tiles, target, split = -(-n // block_n), 2 * triton_kernels.num_sms(device), 1
-    while tiles * split < target and k // (block_k * split * 2) >= 4:
-        split *= 2
-    return (block_n, block_k, split, 4, 4)
+def _split_tile(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, SPLIT, stages, warps) of the split-K kernel: the best of the H100
+    sweep at 64 rows on the 8B shapes, the same bytes a block for both dtypes: 128 columns a
+    program for wide weights (gate_up), 64 otherwise; long rows (down) in two parts."""
+    return (128 if n > 8192 else 64, 256 if fp8 else 128, 2 if k > 8192 else 1, 4, 4)
 
 
 def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -142,7 +138,7 @@ def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     if few:
         triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, x.shape[0]))
     else:
-        triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False, x.device))
+        triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False))
     return out
 
 
@@ -223,7 +219,7 @@ def fp8_rowwise_mm(
 
         out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
         if split_rows(x):
-            tile = _split_tile(*w.shape, True, x.device)
+            tile = _split_tile(*w.shape, True)
             triton_kernels.split_k_mm(xq, w, bias, out, tile, xs=xs, ws=scale)
         elif x.shape[0]:
             triton_kernels.few_rows_mm(xq, w, bias, out, (64, 256, 4, 4), xs=xs, ws=scale)

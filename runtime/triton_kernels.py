@@ -368,7 +368,7 @@ def decode_splits(batch: int, kv_heads: int, device) -> int:
     """Splits of the context per (row, kv head) in decode_attention: enough programs to give
     every SM about two, at most 32 (a split has MIN_CHUNK tokens at least, so short contexts
     use fewer). Four per SM, up to 64, measured slower on the H200."""
-    want = triton.cdiv(2 * num_sms(device), batch * kv_heads)
+    want = triton.cdiv(2 * _num_sms(device), batch * kv_heads)
     return max(1, min(32, triton.next_power_of_2(want)))
 
 
@@ -653,7 +653,7 @@ def gemv_rows(
             BLOCK_COLS=cols,
         )
     blocks = triton.cdiv(n, block_n)
-    grid = min(blocks, per_sm * num_sms(out.device))
+    grid = min(blocks, per_sm * _num_sms(out.device))
     _gemv_rows_kernel[(grid,)](
         x,
         residual if residual is not None else x,
@@ -976,7 +976,7 @@ def split_k_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
 
 
 @functools.cache
-def num_sms(device) -> int:
+def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
