@@ -106,8 +106,8 @@ def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
 # (SPLIT_ROWS = HALF_FEW_ROWS: cuBLAS, and the few-rows kernel for FP8): on an H100 at 64 rows
 # (2026-12-05, benchmarks/kernels.py --part splitk) its best tiles tied cuBLAS on the 8B shapes
 # (bf16: 170.8 against 169.7 µs a layer) and beat the FP8 few-rows tile by 5% (94.2 against
-# 99.0 µs), below what a step would show; `benchmarks.fp8 --split-rows 64` is the A/B that
-# would decide FP8 (benchmarks/NOTES-gpu.md).
+# 99.0 µs); `benchmarks.fp8 --split-rows 64` is the step-level A/B that would decide FP8
+# (benchmarks/NOTES-gpu.md).
 SPLIT_ROWS = HALF_FEW_ROWS
 
 
