@@ -77,10 +77,11 @@ def engine_config(pkg: Package, overlap: bool) -> EngineConfig:
 async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[Engine]:
     """An engine over ranks that are already ready, its step loop running until exit. Each
     engine numbers its sequences and steps from 1, so one engine at a time per link, and on
-    exit the loop stops only once every step it sent has answered. What exists by then is
-    frozen out of the garbage collector's reach, as `orbit serve` does after its start-up: a
-    full collection walks this process's heap (torch, transformers, the package) for 70-240 ms
-    on the 2-core VM, and speculation's per-token tuples set one off within a pass (measured
+    exit the loop stops only once every step it sent has answered. While it runs, what existed
+    when it started is frozen out of the garbage collector's reach, as `orbit serve` does after
+    its start-up (and thawed on exit, for whatever runs next in the process): a full
+    collection walks this process's heap (torch, transformers, the package) for 70-240 ms on
+    the 2-core VM, and speculation's per-token tuples set one off within a pass (measured
     2026-12-05: one of 239 ms in a CPU pass), which a served engine never pays."""
     engine = Engine(config, link)
     await engine.start(READY_TIMEOUT_S)
@@ -95,6 +96,7 @@ async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
+        gc.unfreeze()
 
 
 GREEDY = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
