@@ -209,15 +209,14 @@ def bench_few(name: str, m: int, bw: float) -> dict:
 
 # ---- split-K products of 64 rows (an experiment for issues 18, 20 and 16) ---------------
 # At 64 rows the few-rows kernel lost to cuBLAS on every 8B shape and cuBLAS reads the weights
-# at 66-88% of the copy rate: a 64-row tile of x over N = 4096 gives only 32-64 programs
-# for 132 SMs, and every program re-reads all of x. Here a program takes a BLOCK_N slice of the
-# weight over 1/SPLIT of K, so small-N shapes still fill the SMs. The partial sums meet in a
-# float32 workspace in one of two ways: each split stores its own part and a second kernel sums
-# the parts in a fixed order ("parts": the same result on every run, and the workspace needs no
-# zeroing, so a graph can take it from its pool), or they add through float32 atomics into a
-# zeroed workspace that the second kernel converts and zeroes again ("atomic": no second pass
-# over the parts, but the sum's order, and so its rounding, changes from run to run). Every
-# tile is timed as parts; the best tile also as atomic, to show what determinism costs.
+# at 66-88% of the copy rate (H200): a 64-row tile of x over N = 4096 gives only 64 programs
+# for 132 SMs. The runtime's split-K kernel (`triton_kernels.split_k_mm`) gives a program a
+# BLOCK_N slice of the weight over 1/SPLIT of K and sums the parts in a fixed order in a second
+# kernel: the same result on every run, and a workspace a graph can take from its pool. Every
+# tile is timed so; the best tile also with the parts meeting through float32 atomics in a
+# zeroed workspace (a kernel of this file's own), to show what the fixed order costs. The
+# H100's answer (2026-12-05, docs/performance.md): bf16 ties cuBLAS, FP8 5% over the few-rows
+# tile.
 
 SPLITK_SWEEP = [  # (BLOCK_N, BLOCK_K, SPLIT, stages, warps)
     *((bn, bk, sp, 4, 4) for bn in (64, 128) for bk in (64, 128) for sp in (1, 2, 4, 8)),
@@ -225,11 +224,10 @@ SPLITK_SWEEP = [  # (BLOCK_N, BLOCK_K, SPLIT, stages, warps)
     (256, 64, 4, 3, 8),
     (256, 64, 8, 3, 8),
 ]
-_DIRECT, _ATOMIC, _PARTS = 0, 1, 2  # how a program leaves its sums (splitk's MODE)
 
 
 @functools.cache
-def _splitk_kernels():
+def _atomic_splitk_kernels():
     import triton
     import triton.language as tl
 
@@ -248,7 +246,6 @@ def _splitk_kernels():
         ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        MODE: tl.constexpr,
         SCALED: tl.constexpr,
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,53 +258,41 @@ def _splitk_kernels():
             x = tl.load(x_ptr + rm[:, None] * x_stride + k[None, :], mask=(rm < M)[:, None])
             w = tl.load(w_ptr + rn[:, None].to(tl.int64) * K + k[None, :], mask=(rn < N)[:, None])
             acc = tl.dot(x, tl.trans(w), acc)
-        if SCALED:  # float8 x and w scaled per row: a part's sum takes the scales on its own
+        if SCALED:
             xs = tl.load(xs_ptr + rm, mask=rm < M, other=0.0)
             ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
             acc = acc * xs[:, None] * ws[None, :]
         ptrs = acc_ptr + rm[:, None] * N + rn[None, :]
-        mask = (rm < M)[:, None] & (rn < N)[None, :]
-        if MODE == 1:
-            tl.atomic_add(ptrs, acc, mask=mask, sem="relaxed")
-        elif MODE == 2:
-            tl.store(ptrs + tl.program_id(1) * M * N, acc, mask=mask)
-        else:
-            tl.store(ptrs, acc.to(acc_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_add(ptrs, acc, mask=(rm < M)[:, None] & (rn < N)[None, :], sem="relaxed")
 
     @triton.jit
-    def settle(
-        acc_ptr, out_ptr, total, PARTS: tl.constexpr, ZERO: tl.constexpr, BLOCK: tl.constexpr
-    ):
+    def settle(acc_ptr, out_ptr, total, BLOCK: tl.constexpr):
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         a = tl.load(acc_ptr + i, mask=i < total)
-        for p in tl.static_range(1, PARTS):
-            a += tl.load(acc_ptr + p * total + i, mask=i < total)
         tl.store(out_ptr + i, a.to(out_ptr.dtype.element_ty), mask=i < total)
-        if ZERO:
-            tl.store(acc_ptr + i, tl.zeros_like(a), mask=i < total)
+        tl.store(acc_ptr + i, tl.zeros_like(a), mask=i < total)
 
     return splitk, settle
 
 
-def splitk_mm(x, w, acc, out, tile, xs=None, ws=None, atomic: bool = False) -> None:
-    """out [M, N] = x [M, K] @ w [N, K]^T. acc: a float32 workspace of SPLIT x M x N (parts),
-    or of M x N, zeroed, and zeroed again on return (atomic). With xs [M] and ws [N], x and w
+def atomic_splitk_mm(x, w, acc, out, tile, xs=None, ws=None) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T with SPLIT > 1 parts added through atomics into acc,
+    a zeroed float32 [M, N] workspace, zeroed again on return; with xs [M] and ws [N], x and w
     are float8 scaled per row. tile = (BLOCK_N, BLOCK_K, SPLIT, stages, warps)."""
     import triton
 
-    splitk, settle = _splitk_kernels()
+    splitk, settle = _atomic_splitk_kernels()
     m, k = x.shape
     n = w.shape[0]
     block_n, block_k, split, stages, warps = tile
     if k % (split * block_k):
         raise ValueError(f"K {k} is not a multiple of SPLIT x BLOCK_K {split * block_k}")
-    mode = _DIRECT if split == 1 else _ATOMIC if atomic else _PARTS
     splitk[(triton.cdiv(n, block_n), split)](
         x,
         w,
         xs if xs is not None else x,
         ws if ws is not None else w,
-        out if mode == _DIRECT else acc,
+        acc,
         m,
         n,
         x.stride(0),
@@ -316,21 +301,18 @@ def splitk_mm(x, w, acc, out, tile, xs=None, ws=None, atomic: bool = False) -> N
         ROWS=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        MODE=mode,
         SCALED=xs is not None,
         num_stages=stages,
         num_warps=warps,
     )
-    if mode != _DIRECT:
-        parts = 1 if atomic else split
-        settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, PARTS=parts, ZERO=atomic, BLOCK=1024)
+    settle[(triton.cdiv(m * n, 1024),)](acc, out, m * n, BLOCK=1024)
 
 
 def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
-    """cuBLAS (cuBLASLt's row-wise scaled GEMM for float8) against the split-K kernel over its
-    sweep (parts; the best tile also atomic), for an m-row product of `name`; float8: also the
-    few-rows kernel's FP8 tile."""
-    from runtime import triton_kernels
+    """cuBLAS (cuBLASLt's row-wise scaled GEMM for float8) against the runtime's split-K kernel
+    over the sweep, the best tile also through atomics, and the tile the runtime's rule picks,
+    for an m-row product of `name`; float8: also the few-rows kernel's FP8 tile."""
+    from runtime import cuda_ops, triton_kernels
 
     n, k = LINEARS[name]
     nbytes = n * k * (1 if fp8 else 2)
@@ -340,8 +322,6 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
     ]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    splits = max(t[2] for t in SPLITK_SWEEP)
-    parts = torch.empty(splits * m * n, device="cuda", dtype=torch.float32)
     zeroed = torch.zeros(m * n, device="cuda", dtype=torch.float32)
     row = {"name": name, "m": m, "fp8": fp8, "weight_MB": nbytes / 1e6}
     row["copy_rate_us"] = nbytes / bw * 1e6
@@ -350,62 +330,47 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
         scales = [w.abs().amax(1).float() / 448 for w in ws]
         ws = [(w / s[:, None]).to(f8) for w, s in zip(ws, scales)]
         xs = x.abs().amax(1).float() / 448
-        xq = (x / xs[:, None]).to(f8)
-        ref = ((xq.float() * xs[:, None]) @ (ws[0].float() * scales[0][:, None]).t()).float()
+        x = (x / xs[:, None]).to(f8)
+        ref = ((x.float() * xs[:, None]) @ (ws[0].float() * scales[0][:, None]).t()).float()
         cublas = [
             lambda w=w, s=s: torch._scaled_mm(
-                xq, w.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=torch.bfloat16
+                x, w.t(), scale_a=xs[:, None], scale_b=s[None, :], out_dtype=torch.bfloat16
             )
             for w, s in zip(ws, scales)
         ]
         row["cublas_us"] = graph_us(cublas * 4)
         few = [
             lambda w=w, s=s: triton_kernels.few_rows_mm(
-                xq, w, None, y, (64, 256, 4, 4), xs=xs[:, None], ws=s
+                x, w, None, y, (64, 256, 4, 4), xs=xs[:, None], ws=s
             )
             for w, s in zip(ws, scales)
         ]
         row["few_rows_us"] = graph_us(few * 4)
-
-        def calls(atomic):
-            return [
-                lambda t, w=w, s=s: splitk_mm(
-                    xq, w, zeroed if atomic else parts, y, t, xs=xs, ws=s, atomic=atomic
-                )
-                for w, s in zip(ws, scales)
-            ]
-
         # the same bytes a step as bf16's tiles
         tiles = [(bn, bk * 2, *rest) for bn, bk, *rest in SPLITK_SWEEP]
     else:
         ref = F.linear(x, ws[0]).float()
         row["cublas_us"] = graph_us([lambda w=w: F.linear(x, w) for w in ws] * 4)
-
-        def calls(atomic):
-            return [
-                lambda t, w=w: splitk_mm(x, w, zeroed if atomic else parts, y, t, atomic=atomic)
-                for w in ws
-            ]
-
-        tiles = SPLITK_SWEEP
-    row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls(False), y, ref)
+        scales, xs, tiles = [None] * len(ws), None, SPLITK_SWEEP
+    calls = [
+        lambda t, w=w, s=s: triton_kernels.split_k_mm(x, w, None, y, t, xs=xs, ws=s)
+        for w, s in zip(ws, scales)
+    ]
+    row["tiles"] = timed_tiles(f"{name} M={m}", tiles, calls, y, ref)
     row["best"] = min(row["tiles"], key=lambda t: t["us"])
-    # What the runtime runs: its kernel (parts, bias and K masks) with the tile its rule picks.
-    from runtime import cuda_ops
-
-    row["picked_tile"] = cuda_ops._split_tile(n, k, fp8)
-    if fp8:
-        runtime_calls = [
-            lambda t, w=w, s=s: triton_kernels.split_k_mm(xq, w, None, y, t, xs=xs, ws=s)
+    best = tuple(row["best"]["tile"])
+    if best[2] > 1:
+        atomic_calls = [
+            lambda t, w=w, s=s: atomic_splitk_mm(x, w, zeroed, y, t, xs=xs, ws=s)
             for w, s in zip(ws, scales)
         ]
-    else:
-        runtime_calls = [lambda t, w=w: triton_kernels.split_k_mm(x, w, None, y, t) for w in ws]
-    picked = timed_tiles(f"{name} M={m} picked", [row["picked_tile"]], runtime_calls, y, ref)
-    row["picked_us"] = picked[0]["us"] if picked else None
-    if row["best"]["tile"][2] > 1:
-        atomic = timed_tiles(f"{name} M={m} atomic", [row["best"]["tile"]], calls(True), y, ref)
+        atomic = timed_tiles(f"{name} M={m} atomic", [best], atomic_calls, y, ref)
         row["best_atomic"] = atomic[0] if atomic else None
+    row["picked_tile"] = cuda_ops._split_tile(n, k, fp8)
+    picked = [t for t in row["tiles"] if tuple(t["tile"]) == row["picked_tile"]]
+    if not picked:
+        picked = timed_tiles(f"{name} M={m} picked", [row["picked_tile"]], calls, y, ref)
+    row["picked_us"] = picked[0]["us"] if picked else None
     return row
 
 
