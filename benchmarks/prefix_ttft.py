@@ -1,8 +1,8 @@
 """Issue 18's cached-prefix TTFT through HTTP, with the server's own split of each first token.
 
 Starts `orbit serve PACKAGE --log-level info`, then sends streamed /v1/completions of token ids
-one at a time through plain HTTP (a bare HTTP/1.1 request: serving_sweep.first_data_s), 2 new tokens
-each:
+one at a time through plain HTTP (a bare HTTP/1.1 request: serving_sweep.first_data_s), 2 new
+tokens each:
 - uncached: --probes prompts of --prefix-tokens + --turn-tokens ids, no two sharing a prefix;
 - cached: one request of a prefix and a turn (caches the prefix), then --probes requests of the
   same prefix and a fresh turn each;
@@ -32,7 +32,7 @@ _SPLIT = re.compile(r"tokens_in=(\d+) .*ttft=([\d.]+)ms\(([^)]*)\)")
 
 async def _ttft_s(url: str, model: str, ids: list[int]) -> float:
     body = {"model": model, "prompt": ids, "max_tokens": 2, "stream": True, "ignore_eos": True}
-    return await asyncio.wait_for(first_data_s(url, "unused", body), 600)
+    return await first_data_s(url, "unused", body, 600)
 
 
 async def _groups(url: str, model: str, args) -> dict[str, list[float]]:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Self
+from urllib.parse import SplitResult, urlsplit
 
 import httpx
 
@@ -640,10 +641,11 @@ def ttft_probe(pool: ClientPool, base: ClientJob, prompt_tokens: int) -> dict:
     prompt of its own): the prefill's latency through HTTP. `ttft_ms` is what a plain HTTP
     client sees (first_data_s: a bare HTTP/1.1 request, body encoded and socket connected
     before the clock starts); `openai_client_ttft_ms` is what the official client sees
-    sending token ids, which adds its own work in the client process (for 2,048 ids, 33-44 ms of request building on the H200 host, 2026-12-03; 18 ms on
-    the 2-core VM, where the same prompt as text takes 0.6 ms); `openai_client_text_ttft_ms`
-    the official client sending text of exactly prompt_tokens tokens, as applications do: the
-    server's tokenization is then inside the figure."""
+    sending token ids, which adds its own work in the client process (for 2,048 ids, 33-44 ms
+    of request building on the H200 host, 2026-12-03; 18 ms on the 2-core VM, where the same
+    prompt as text takes 0.6 ms); `openai_client_text_ttft_ms` the official client sending
+    text of exactly prompt_tokens tokens, as applications do: the server's tokenization is then
+    inside the figure."""
     raw = asyncio.run(raw_ttfts_s(base, prompt_tokens, TTFT_WARMUP + TTFT_PROBES))
     job = replace(
         base, prompt_tokens=prompt_tokens, new_tokens=2, streams=1, num_requests=TTFT_PROBES,
@@ -709,20 +711,24 @@ def exact_text(job: ClientJob, num_tokens: int, salt: int) -> str:
     raise SweepError(f"no text of exactly {num_tokens} tokens found (salt {salt})")
 
 
-async def first_data_s(url: str, api_key: str, body: dict) -> float:
+async def first_data_s(url: str, api_key: str, body: dict, timeout_s: float) -> float:
     """Seconds from sending a streamed /v1/completions to its first `data:` line, through a bare
     HTTP/1.1 request on a socket connected before the clock starts (the body encoded before it
     too): the server's latency, not an HTTP client library's (httpx added 1-2 ms on the 2-core
     VM, 2026-12-05: 14.5 against 12.4 ms for a 2,048-token cached prefix). The stream is read
-    to its end, so a next request runs alone. A failed request raises."""
-    host, _, port = url.removeprefix("http://").partition(":")
-    content = json.dumps(body).encode()
+    to its end, so a next request runs alone. A failed request raises, and so does one that has
+    not ended within timeout_s."""
+    async with asyncio.timeout(timeout_s):
+        return await _first_data_s(urlsplit(url), api_key, json.dumps(body).encode())
+
+
+async def _first_data_s(url: SplitResult, api_key: str, content: bytes) -> float:
     head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {api_key}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(content)}\r\n"
-        "Connection: close\r\n\r\n"
+        f"POST {url.path.rstrip('/')}/v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\n"
+        f"Authorization: Bearer {api_key}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(content)}\r\nConnection: close\r\n\r\n"
     ).encode()
-    reader, writer = await asyncio.open_connection(host, int(port or 80))
+    reader, writer = await asyncio.open_connection(url.hostname, url.port or 80)
     try:
         writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sent = time.perf_counter()
@@ -751,9 +757,7 @@ async def raw_ttfts_s(job: ClientJob, prompt_tokens: int, count: int) -> list[fl
             "model": job.model, "prompt": prompt_ids(prompt_tokens, 2 * 10**7 + i, job.vocab_size),
             "max_tokens": 2, "temperature": job.temperature, "stream": True, "ignore_eos": True,
         }  # fmt: skip
-        times.append(
-            await asyncio.wait_for(first_data_s(job.url, job.api_key, body), job.timeout_s)
-        )
+        times.append(await first_data_s(job.url, job.api_key, body, job.timeout_s))
     return times
 
 
