@@ -64,16 +64,14 @@ def test_norm_linear_matches_float32(n, k):
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_few_rows_match_float32(n, k):
-    """2 to HALF_FEW_ROWS rows take Orbit's few-rows kernel (W x^T), one more cuBLAS; rows of
-    a wider tensor (a stride past K) as the model's slices give, with and without bias."""
-    g, w, _ = _inputs(n, k, 4)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-    for m in (2, 5, cuda_ops.HALF_FEW_ROWS, cuda_ops.HALF_FEW_ROWS + 1):
+def _checked_products(g, w, bias, rows):
+    """For each row count: rows of a contiguous tensor and of a wider one (a stride past K, as
+    the model's slices give), with and without bias, through cuda_ops.linear, each product
+    checked against float32 over the same inputs; yields (x, b, product) for more checks."""
+    n, k = w.shape
+    for m in rows:
         wide = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16, generator=g)
         for x in (wide[:, :k].contiguous(), wide[:, :k]):
-            assert cuda_ops.few_rows(x) == (m <= cuda_ops.HALF_FEW_ROWS)
             for b in (None, bias):
                 got = cuda_ops.linear(x, w, b)
                 ref = torch.nn.functional.linear(
@@ -81,8 +79,20 @@ def test_few_rows_match_float32(n, k):
                 )
                 assert got.shape == (m, n) and got.dtype == torch.bfloat16
                 assert rel_error(got.float(), ref) <= TOL, (m, b is None)
-                if m > cuda_ops.HALF_FEW_ROWS:  # beyond the kernel's rows: cuBLAS, exactly
-                    assert torch.equal(got, torch.nn.functional.linear(x, w, b))
+                yield x, b, got
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_few_rows_match_float32(n, k):
+    """2 to HALF_FEW_ROWS rows take Orbit's few-rows kernel (W x^T), one more cuBLAS; rows of
+    a wider tensor (a stride past K) as the model's slices give, with and without bias."""
+    g, w, _ = _inputs(n, k, 4)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
+    half = cuda_ops.HALF_FEW_ROWS
+    for x, b, got in _checked_products(g, w, bias, (2, 5, half, half + 1)):
+        assert cuda_ops.few_rows(x) == (x.shape[0] <= half)
+        if x.shape[0] > half:  # beyond the kernel's rows: cuBLAS, exactly
+            assert torch.equal(got, torch.nn.functional.linear(x, w, b))
     # The same rows one at a time through the one-row GEMV agree with the few-rows product.
     x = torch.randn(5, k, device="cuda", dtype=torch.bfloat16, generator=g)
     rows = torch.cat([cuda_ops.linear(x[i : i + 1], w, None) for i in range(5)])
@@ -97,18 +107,9 @@ def test_split_k_rows_match_float32(n, k, monkeypatch):
     monkeypatch.setattr(cuda_ops, "SPLIT_ROWS", 64)
     g, w, _ = _inputs(n, k, 6)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-    for m in (cuda_ops.HALF_FEW_ROWS + 1, 40, 64):
-        wide = torch.randn(m, k + 8, device="cuda", dtype=torch.bfloat16, generator=g)
-        for x in (wide[:, :k].contiguous(), wide[:, :k]):
-            assert cuda_ops.split_rows(x)
-            for b in (None, bias):
-                got = cuda_ops.linear(x, w, b)
-                ref = torch.nn.functional.linear(
-                    x.float(), w.float(), None if b is None else b.float()
-                )
-                assert got.shape == (m, n) and got.dtype == torch.bfloat16
-                assert rel_error(got.float(), ref) <= TOL, (m, b is None)
-                assert torch.equal(got, cuda_ops.linear(x, w, b))
+    for x, b, got in _checked_products(g, w, bias, (cuda_ops.HALF_FEW_ROWS + 1, 40, 64)):
+        assert cuda_ops.split_rows(x)
+        assert torch.equal(got, cuda_ops.linear(x, w, b))
 
 
 def test_few_rows_silu_and_mul_linear_matches_float32():
