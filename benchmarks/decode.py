@@ -2,6 +2,8 @@
 measured in the same run and against transformers' generate() at batch 1 on the same GPU.
 
     python -m benchmarks.decode --out DIR            # Llama-3.1-8B architecture, random bf16
+    python -m benchmarks.decode --shape smollm2 --batches 1,4,24 --prompts 128 --hf-tokens 0 \
+        --profile --out DIR                          # SmolLM2-135M's shapes (issue 19's copy runs)
 
 The model is built from a config alone: transformers' model (random init) for the generate()
 baseline, then Orbit's shard tensors, shaped by runtime/layout.py as a package's rank-0 shard
@@ -54,11 +56,28 @@ LLAMA_31_8B = {
     },
 }
 
+# SmolLM2-135M-Instruct's architecture (its GGUF's metadata): the model of issue 19's copy-heavy
+# runs, whose steps are bound by kernel launches and latency, not by bytes.
+SMOLLM2_135M = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": True,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0},
+}
+SHAPES = {"llama-8b": LLAMA_31_8B, "smollm2": SMOLLM2_135M}
+
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
-    p.add_argument("--layers", type=int, default=32, help="fewer for a quick check")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the architecture")
+    p.add_argument("--layers", type=int, default=0, help="fewer for a quick check (0: all)")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--prompts", default="128,512,2048", help="TTFT prompt lengths")
     p.add_argument("--context", type=int, default=512, help="tokens in each sequence's cache")
@@ -140,10 +159,16 @@ def matmul_rate() -> float:
 # ---- the model --------------------------------------------------------------------------
 
 
-def hf_config(layers: int):
+def shape_config(shape: str = "llama-8b", layers: int = 0) -> dict:
+    """The architecture's config, with `layers` layers where that is not 0."""
+    config = SHAPES[shape]
+    return {**config, "num_hidden_layers": layers or config["num_hidden_layers"]}
+
+
+def hf_config(layers: int = 0, shape: str = "llama-8b"):
     from transformers import LlamaConfig
 
-    return LlamaConfig(**{**LLAMA_31_8B, "num_hidden_layers": layers})
+    return LlamaConfig(**shape_config(shape, layers))
 
 
 def transformers_generate_rate(config, new_tokens: int) -> float:
@@ -309,13 +334,15 @@ def measure_ttft(runner, spec, tensors, length: int, bw: float, flops: float) ->
 
 
 def profile_text(runner, spec, tensors, args) -> str:
-    """Per-kernel GPU time of the batch-1 and batch-64 decode graphs (their inputs are the last
+    """Per-kernel GPU time of the measured batches' decode graphs (their inputs are the last
     measured step's), CPU + GPU time of one 128-token prefill step (graph replay and the
     eager LM head), and the steps of `_profiled_steps`."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = []
-    for bucket in (b for b in (1, 64) if b in runner.decode_graphs):
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    buckets = dict.fromkeys(next(b for b in runner.buckets if b >= n) for n in batches)
+    for bucket in buckets:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 runner.decode_graphs[bucket].replay()
@@ -372,7 +399,8 @@ def _step_profile(runner, name: str, seq: SeqInput, profile, activity) -> str:
         for _ in range(11):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            runner._plan_prefill_graph([seq], tokens, attn)  # stage and plan, nothing replayed
+            with torch.inference_mode():  # as runner.step stages: its buffers are inference tensors
+                runner._plan_prefill_graph([seq], tokens, attn)  # stage and plan, no replay
             plans.append(time.perf_counter() - t0)
         head += (
             f", of which staging + FlashInfer's plan {statistics.median(plans[1:]) * 1e3:.3f} ms"
@@ -420,12 +448,12 @@ def main(argv=None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    config = hf_config(args.layers)
+    config = hf_config(args.layers, args.shape)
     spec = model_spec_from_config(config, 1)
     result = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
-        "config": {**LLAMA_31_8B, "num_hidden_layers": args.layers},
+        "config": shape_config(args.shape, args.layers),
         "args": vars(args),
     }
     bw, flops = copy_bandwidth(), matmul_rate()

@@ -1,6 +1,6 @@
 """Speculative decoding on one GPU (issue 19), each part on its own:
 
-- `verify`: the Llama-3.1-8B architecture (random bf16, built on the GPU as benchmarks.decode
+- `verify`: the Llama-3.1-8B architecture (or SmolLM2-135M's with --shape smollm2; random bf16, built on the GPU as benchmarks.decode
   builds it) on one rank's CudaGraphRunner: a verification row of 1 x (k+1) tokens against a
   1-token decode step at the same context, both replayed from their graphs (the decode bucket's,
   the token bucket's), median of CUDA-event times around `runner.step`, which includes staging.
@@ -32,7 +32,7 @@
   off then on: milliseconds of `schedule()` and `apply()` per step, the engine core's share
   of a step that the GPU does not see.
 
-    python3 -m benchmarks.speculation verify --out DIR
+    python3 -m benchmarks.speculation verify [--shape smollm2] --out DIR
     python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
     python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
@@ -158,6 +158,11 @@ def step_stats(engine, steps_before: int, elapsed: float) -> dict:
         "wall_per_step_ms": round(elapsed / steps * 1e3, 3) if steps else 0.0,
         "rank_execute_ms_p50": round(statistics.median(t[0] for t in timings) * 1e3, 3),
         "rank_gpu_ms_p50": round(statistics.median(t[1] for t in timings) * 1e3, 3),
+        # mean and share of the wall: verification steps are a minority, so the median hides
+        # what they cost; a share near 1 says the GPU side (with the rank's staging) bounds
+        # the run, well under 1 that the host's round trips do
+        "rank_gpu_ms_mean": round(statistics.fmean(t[1] for t in timings) * 1e3, 3),
+        "rank_gpu_share": round(sum(t[1] for t in timings) / elapsed, 3),
     }
 
 
@@ -480,7 +485,7 @@ def verify_part(args) -> dict:
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
 
-    spec = model_spec_from_config(hf_config(32), 1)
+    spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
     args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
     runner, _ = build_runner(spec, tensors, args)
@@ -494,7 +499,7 @@ def verify_part(args) -> dict:
         decode = [SeqInput([7], ctx, tables[i], True) for i in range(rows)]
         base = median_ms(lambda d=decode: runner.step(d), iters=50)
         part = report[f"rows_{rows}"] = {"decode_ms": round(base, 4)}
-        for n in (2, 3, 5, 8):
+        for n in (2, 3, 5, 8, 17):
             verify = [SeqInput([7] * n, ctx, tables[i], True, num_samples=n) for i in range(rows)]
             if rows * n > runner.caps.max_batch:
                 continue  # a step samples at most max_batch rows
@@ -524,6 +529,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=512, help="verify: tokens in the cache")
+    p.add_argument("--shape", choices=["llama-8b", "smollm2"], default="llama-8b", help="verify")
     p.add_argument(
         "--cublas-few-rows",
         action="store_true",
