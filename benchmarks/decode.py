@@ -97,6 +97,12 @@ def parse_args(argv):
         help="the baseline: products of 2 to 64 rows through cuBLAS, not Orbit's kernels",
     )
     p.add_argument(
+        "--late-few-rows",
+        action="store_true",
+        help="the baseline: few-rows products of small weights launched plainly, not early "
+        "(runtime/cuda_ops.py EARLY_LAUNCH_WEIGHTS = 0)",
+    )
+    p.add_argument(
         "--split-rows",
         type=int,
         default=0,
@@ -444,6 +450,10 @@ def main(argv=None) -> int:
         use_cublas_for_few_rows()
     if args.split_rows:
         use_split_k_up_to(args.split_rows)
+    if args.late_few_rows:
+        from runtime import cuda_ops
+
+        cuda_ops.EARLY_LAUNCH_WEIGHTS = 0
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

@@ -93,6 +93,22 @@ def few_rows(x: torch.Tensor) -> bool:
     return 1 < x.shape[0] <= HALF_FEW_ROWS and x.stride(1) == 1
 
 
+# Weights of at most this many elements make a few-rows product that is bound by its launch,
+# not its bytes (SmolLM2-135M's are 0.3-1.8M, the 8B's 17-117M): those launch early (PDL,
+# as the GEMV and the norms do), so the kernel is resident when the one before it drains. On
+# an H100, SmolLM2-135M's decode graph took 0.54 ms at 1 row (GEMVs, PDL) and 0.99 at 2 rows
+# (this kernel without it), a verification row of 17 tokens 1.25 (docs/performance.md,
+# 2026-12-05). Larger weights keep the plain launch: the 8B shapes' sweep measured an early
+# variant 1.1-2x slower (2026-12-04).
+EARLY_LAUNCH_WEIGHTS = 4 * 2**20
+
+
+def _early(x: torch.Tensor, w: torch.Tensor) -> bool:
+    from runtime.triton_kernels import pdl
+
+    return w.numel() <= EARLY_LAUNCH_WEIGHTS and pdl(x.device)
+
+
 def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, stages, warps) of the bf16 few-rows kernel for m rows of an N x K
     weight: the best of the H200 sweep over the 8B shapes (benchmarks/kernels.py --part few);
@@ -136,7 +152,8 @@ def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     if few:
-        triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, x.shape[0]))
+        tile = _few_tile(*w.shape, x.shape[0])
+        triton_kernels.few_rows_mm(x, w, bias, out, tile, early=_early(x, w))
     else:
         triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False))
     return out

@@ -790,11 +790,16 @@ def _few_rows_kernel(
     ROWS: tl.constexpr,
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # y [M, N] = x [M, K] @ w [N, K]^T (+ b) for few rows M <= ROWS, computed as W x^T so that
     # the weight's rows fill the tensor cores' long side (a GEMM with M rows would pad them to
     # 64 and read the weights once per 64-row tile of x anyway). SCALED: x and w are float8,
     # x scaled per row by xs [M], w per row by ws [N], both applied to the float32 sums.
+    # PDL: launched early, it waits for the previous kernel before reading anything.
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, ROWS)
@@ -826,10 +831,11 @@ def _few_rows_kernel(
     )
 
 
-def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
+def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None, early: bool = False) -> None:
     """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
     row stride); with xs and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile =
-    (BLOCK_N, BLOCK_K, pipeline stages, warps)."""
+    (BLOCK_N, BLOCK_K, pipeline stages, warps). early: launched with programmatic dependent
+    launch (on GPUs that have it), so it starts while the previous kernel drains."""
     m, k = x.shape
     n = w.shape[0]
     block_n, block_k, stages, warps = tile
@@ -849,8 +855,10 @@ def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None) -> None:
         ROWS=max(16, triton.next_power_of_2(m)),
         SCALED=xs is not None,
         HAS_BIAS=bias is not None,
+        PDL=early,
         num_stages=stages,
         num_warps=warps,
+        launch_pdl=early,
     )
 
 
