@@ -109,6 +109,20 @@ def _early(x: torch.Tensor, w: torch.Tensor) -> bool:
     return w.numel() <= EARLY_LAUNCH_WEIGHTS and pdl(x.device)
 
 
+# Whether a few rows of such small weights also take the add + RMSNorm before qkv and gate_up
+# and the SiLU-mul before down inside the few-rows kernel, as one row does in the GEMV: 90 fewer
+# kernels a step of SmolLM2-135M, which with the early launch still took 0.77 ms for 2 rows
+# against 0.54 for one. Off until a GPU has checked and timed it (benchmarks.decode
+# --fuse-few-rows; tests/gpu/test_gemv.py turns it on for its checks).
+FUSE_FEW_ROWS = False
+
+
+def fuses_few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the norm or SiLU-mul before a product of these few rows (x contiguous) by w
+    goes inside the few-rows kernel."""
+    return FUSE_FEW_ROWS and few_rows(x) and x.is_contiguous() and w.numel() <= EARLY_LAUNCH_WEIGHTS
+
+
 def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, stages, warps) of the bf16 few-rows kernel for m rows of an N x K
     weight: the best of the H200 sweep over the 8B shapes (benchmarks/kernels.py --part few);
@@ -186,10 +200,20 @@ def silu_and_mul_linear(
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """silu_and_mul(gate_up) @ w^T; one row in one kernel."""
-    if not one_row(gate_up):
-        return many_rows_linear(silu_and_mul(gate_up), w, None)
+    """silu_and_mul(gate_up) @ w^T; one row in one kernel, a few rows of a small dense weight
+    too where fuses_few_rows says so."""
     from runtime import triton_kernels
+
+    if not one_row(gate_up):
+        if scale is not None or not fuses_few_rows(gate_up, w):
+            return many_rows_linear(silu_and_mul(gate_up), w, None)
+        rows = gate_up.shape[0]
+        out = torch.empty((rows, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
+        tile = _few_tile(*w.shape, rows)
+        triton_kernels.few_rows_mm(
+            gate_up, w, None, out, tile, early=_early(gate_up, w), silu_mul=True
+        )
+        return out
 
     out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
     triton_kernels.gemv_rows(
@@ -263,9 +287,13 @@ def fp8_block_mm(
     return out if bias is None else out + bias
 
 
-def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """Whether norm_linear takes these: one row, contiguous."""
-    return one_row(x) and (residual is None or residual.is_contiguous())
+def fuses_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None = None
+) -> bool:
+    """Whether norm_linear takes these: one row, contiguous, or with a dense weight w a few
+    rows where fuses_few_rows says so."""
+    rows_ok = one_row(x) or (w is not None and fuses_few_rows(x, w))
+    return rows_ok and (residual is None or residual.is_contiguous())
 
 
 def norm_linear(
@@ -279,11 +307,27 @@ def norm_linear(
     block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(s) * norm_weight) @ w^T (+ bias) and s = x + residual (s = x when residual is
-    None), for one row, in one kernel: every program of the GEMV normalises the row itself."""
+    None), for the rows fuses_norm accepts, in one kernel: every program of the GEMV (one row)
+    or of the few-rows kernel (a dense w) normalises the rows itself."""
     from runtime import triton_kernels
 
-    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+    rows = x.shape[0]
+    out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
     stream = torch.empty_like(x) if residual is not None else None
+    if rows > 1:
+        triton_kernels.few_rows_mm(
+            x,
+            w,
+            bias,
+            out,
+            _few_tile(*w.shape, rows),
+            early=_early(x, w),
+            norm_weight=norm_weight,
+            eps=eps,
+            residual=residual,
+            residual_out=stream,
+        )
+        return out, (x if stream is None else stream)
     triton_kernels.gemv_rows(
         x,
         w,
