@@ -46,6 +46,20 @@ def decode(runner, tokens, contexts, tables, eager: bool = False) -> torch.Tenso
     return out.float().cpu()
 
 
+def decode_run(runner, prompts, tables, vocab: int, num_steps: int) -> torch.Tensor:
+    """Prefill the prompts, then num_steps decode steps of all of them, sequence i feeding
+    token (97 i + 13 step) % vocab whatever was drawn (so two runners see the same inputs):
+    the logits [num_steps, sequences, vocab] (float32, CPU)."""
+    prefill(runner, prompts, tables)
+    contexts = [len(p) for p in prompts]
+    logits = []
+    for step in range(num_steps):
+        tokens = [(97 * i + 13 * step) % vocab for i in range(len(prompts))]
+        logits.append(decode(runner, tokens, contexts, tables))
+        contexts = [c + 1 for c in contexts]
+    return torch.stack(logits)
+
+
 def teacher_forced(runner, prompts, continuations, tables) -> list[list[torch.Tensor]]:
     """Logits at the last prompt position and after each continuation token, per sequence:
     prefill, then decode the continuations (all sequences in one batch)."""

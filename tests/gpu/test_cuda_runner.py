@@ -118,16 +118,10 @@ def test_fused_decode_attention_matches_flashinfer(llama, report):
     for batch in (1, 3, 8):
         prompts = random_prompts(spec.vocab_size, lengths=lengths[:batch], seed=30 + batch)
         tables = steps.page_tables(batch, 512)
-        results = []
-        for runner in (fused, flashinfer, switching):
-            steps.prefill(runner, prompts, tables)
-            contexts = [len(p) for p in prompts]
-            logits = []
-            for step in range(6):
-                tokens = [(97 * i + 13 * step) % spec.vocab_size for i in range(batch)]
-                logits.append(steps.decode(runner, tokens, contexts, tables))
-                contexts = [c + 1 for c in contexts]
-            results.append(torch.stack(logits))
+        results = [
+            steps.decode_run(runner, prompts, tables, spec.vocab_size, 6)
+            for runner in (fused, flashinfer, switching)
+        ]
         for other in results[1:]:
             worst = max(worst, steps.rel_error(results[0], other))
     report("fused_decode_vs_flashinfer", rel_err=worst)

@@ -47,21 +47,27 @@ def test_silu_and_mul_linear_matches_float32(n, k):
     assert rel_error(cuda_ops.silu_and_mul_linear(gate_up, w).float(), ref) <= TOL
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-def test_norm_linear_matches_float32(n, k):
-    g, w, x = _inputs(n, k, 3)
-    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
-    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+def _check_norm_linear(x, residual, nw, w):
+    """norm_linear without and with the residual against float32: the product within TOL, the
+    stream rounded once (x itself without a residual), and the inputs as they were (the new
+    stream is a new tensor)."""
     x_before, residual_before = x.clone(), residual.clone()
     for res in (None, residual):
         out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
         s = x.float() + (0 if res is None else res.float())
         normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
         ref = normed.to(torch.bfloat16).float() @ w.float().T
-        assert rel_error(out.float(), ref) <= TOL
-        assert torch.equal(stream, s.to(torch.bfloat16))  # the stream, rounded once
-    # The inputs stay as they were: the new stream is a new tensor.
+        assert out.shape == (x.shape[0], w.shape[0]) and rel_error(out.float(), ref) <= TOL
+        assert torch.equal(stream, s.to(torch.bfloat16))
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_norm_linear_matches_float32(n, k):
+    g, w, x = _inputs(n, k, 3)
+    residual = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    nw = torch.rand(k, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    _check_norm_linear(x, residual, nw, w)
 
 
 def _checked_products(g, w, bias, rows):
@@ -139,14 +145,5 @@ def test_few_rows_with_fused_norm_and_silu_match_float32(n, k, monkeypatch):
         gate, up = gate_up.float().chunk(2, dim=-1)
         act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16).float()
         assert rel_error(cuda_ops.silu_and_mul_linear(gate_up, w).float(), act @ w.float().T) <= TOL
-        if not small:
-            continue
-        x_before, residual_before = x.clone(), residual.clone()
-        for res in (None, residual):
-            out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
-            s = x.float() + (0 if res is None else res.float())
-            normed = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw.float()
-            ref = normed.to(torch.bfloat16).float() @ w.float().T
-            assert out.shape == (m, n) and rel_error(out.float(), ref) <= TOL
-            assert torch.equal(stream, s.to(torch.bfloat16)) if res is not None else stream is x
-        assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+        if small:
+            _check_norm_linear(x, residual, nw, w)

@@ -71,16 +71,10 @@ def test_few_rows_with_fused_norms_match_separate_kernels(smollm2, monkeypatch, 
     worst = 0.0
     for batch in (3, 8):
         tables = steps.page_tables(batch, 512)
-        results = []
-        for runner in (separate, fused):
-            steps.prefill(runner, prompts[:batch], tables)
-            contexts = [len(p) for p in prompts[:batch]]
-            logits = []
-            for step in range(4):
-                tokens = [(31 * i + 7 * step) % spec.vocab_size for i in range(batch)]
-                logits.append(steps.decode(runner, tokens, contexts, tables))
-                contexts = [c + 1 for c in contexts]
-            results.append(torch.stack(logits))
+        results = [
+            steps.decode_run(runner, prompts[:batch], tables, spec.vocab_size, 4)
+            for runner in (separate, fused)
+        ]
         worst = max(worst, steps.rel_error(results[1], results[0]))
     tables = steps.page_tables(2, 512)
     rows = [
