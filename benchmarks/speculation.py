@@ -33,7 +33,7 @@
   of a step that the GPU does not see.
 
     python3 -m benchmarks.speculation verify [--shape smollm2] --out DIR
-    python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] --out DIR
+    python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] [--rounds 5] --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
     python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
     python3 -m benchmarks.speculation replay --package PKG --device cpu --out DIR
@@ -183,7 +183,9 @@ async def timed_outputs(engine, prompts, max_tokens, together: bool) -> dict:
 
 
 async def copy_part(args) -> dict:
-    """Speculation off, on, off, on over one set of ranks; the second round is the warm one."""
+    """Speculation off then on, --rounds times over one set of ranks (the first round warms
+    up); the speedup alone and together averaged over the rounds after the first, since one
+    pass varies by several percent on a lent GPU (±7% on the H100s of 2026-12-05)."""
     from transformers import AutoTokenizer
 
     pkg = open_package(args.package)
@@ -191,7 +193,7 @@ async def copy_part(args) -> dict:
     prompts = [chat_ids(tokenizer, t) for t in TASKS]
     report: dict = {"prompt_tokens": [len(p) for p in prompts], "rounds": []}
     async with local_ranks(pkg, args.device, args.kv_pages) as link:
-        for _ in range(2):
+        for _ in range(args.rounds):
             runs = {}
             ngram = SpeculationConfig(
                 num_tokens=args.spec_tokens,
@@ -224,6 +226,12 @@ async def copy_part(args) -> dict:
                     part[mode]["output_tokens"] = [len(o) for o in part[mode].pop("outputs")]
             report["rounds"].append(runs)
             print(json.dumps({k: v for k, v in runs.items() if k != "sample_output"}), flush=True)
+    warm = report["rounds"][1:] or report["rounds"]
+    for mode in ("alone", "together"):
+        speedups = [r["ngram"][mode]["speedup"] for r in warm]
+        report[f"speedup_{mode}_mean"] = round(statistics.fmean(speedups), 3)
+        report[f"speedup_{mode}_range"] = [min(speedups), max(speedups)]
+    print(json.dumps({k: v for k, v in report.items() if k.startswith("speedup")}), flush=True)
     return report
 
 
@@ -525,6 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
         help="copy, batch: the shortest n-gram a proposal matches",
     )
     p.add_argument("--max-tokens", type=int, default=320, help="copy: new tokens at most")
+    p.add_argument("--rounds", type=int, default=2, help="copy: off/on rounds, the first warm-up")
     p.add_argument("--users", type=int, default=64, help="batch: concurrent streams")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
