@@ -1,0 +1,76 @@
+"""The few-rows and split-K Triton kernels run through Triton's interpreter on the CPU, in
+float32, against PyTorch: their indexing, masks and fusions (norm, residual stream, SiLU-mul,
+bias, strided rows, K not a multiple of the block, the split-K parts) without a GPU. Run as a
+script with TRITON_INTERPRET=1 set before Triton is imported (tests/test_interpreted_kernels.py
+does); prints the worst relative error of each check as JSON and exits 1 on a failed check.
+The GPU tests (tests/gpu/test_gemv.py) check the same products in bf16 on the hardware."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from runtime import cuda_ops
+
+TOL = 1e-5  # float32 on both sides: only the order of the sums differs
+
+
+def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got - ref).norm() / ref.norm()).item()
+
+
+def check_products(worst: dict) -> None:
+    """Plain few-rows products (2 to 32 rows) and split-K ones (33 to 64 rows, SPLIT_ROWS on),
+    of contiguous and strided rows, with and without bias."""
+    cuda_ops.SPLIT_ROWS = 64
+    for n, k in ((96, 80), (40, 300)):
+        w = torch.randn(n, k) / k**0.5
+        bias = torch.randn(n)
+        for m in (2, 17, 40):
+            wide = torch.randn(m, k + 8)
+            for x in (wide[:, :k].contiguous(), wide[:, :k]):
+                for b in (None, bias):
+                    got = cuda_ops.linear(x, w, b)
+                    name = "split_k" if m > cuda_ops.HALF_FEW_ROWS else "few_rows"
+                    worst[name] = max(
+                        worst.get(name, 0.0), rel(got, torch.nn.functional.linear(x, w, b))
+                    )
+
+
+def check_fused(worst: dict) -> None:
+    """With FUSE_FEW_ROWS: the add + RMSNorm (with and without a residual; the stream exact,
+    the inputs untouched) and the SiLU-mul inside the few-rows kernel."""
+    cuda_ops.FUSE_FEW_ROWS = True
+    for n, k in ((96, 80), (40, 300)):
+        w = torch.randn(n, k) / k**0.5
+        nw = torch.rand(k) + 0.5
+        for m in (2, 17):
+            x, residual = torch.randn(m, k), torch.randn(m, k)
+            assert cuda_ops.fuses_norm(x, residual, w)
+            before = (x.clone(), residual.clone())
+            for res in (None, residual):
+                out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
+                s = x + (0 if res is None else res)
+                ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
+                worst["fused_norm"] = max(worst.get("fused_norm", 0.0), rel(out, ref))
+                assert torch.equal(stream, s), "the residual stream differs"
+            assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+            gate_up = torch.randn(m, 2 * k)
+            got = cuda_ops.silu_and_mul_linear(gate_up, w)
+            ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
+            worst["fused_silu"] = max(worst.get("fused_silu", 0.0), rel(got, ref))
+
+
+def main() -> int:
+    torch.manual_seed(0)
+    worst: dict = {}
+    check_products(worst)
+    check_fused(worst)
+    print(json.dumps(worst))
+    return 0 if all(v <= TOL for v in worst.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
