@@ -1,10 +1,10 @@
 """Speculative decoding on one GPU (issue 19), each part on its own:
 
-- `verify`: the Llama-3.1-8B architecture (or SmolLM2-135M's with --shape smollm2; random bf16, built on the GPU as benchmarks.decode
-  builds it) on one rank's CudaGraphRunner: a verification row of 1 x (k+1) tokens against a
-  1-token decode step at the same context, both replayed from their graphs (the decode bucket's,
-  the token bucket's), median of CUDA-event times around `runner.step`, which includes staging.
-  Also 64 rows.
+- `verify`: the Llama-3.1-8B architecture (SmolLM2-135M's with --shape smollm2; random bf16,
+  built on the GPU as benchmarks.decode builds it) on one rank's CudaGraphRunner: a
+  verification row of 1 x (k+1) tokens against a 1-token decode step at the same context,
+  both replayed from their graphs (the decode bucket's, the token bucket's), median of
+  CUDA-event times around `runner.step`, which includes staging. Also 64 rows.
 - `copy`: a package (the real SmolLM2-135M, from its GGUF) behind an engine core in this
   process over local ranks, speculation off and then on (n-gram): copy-heavy prompts (rewrite
   or correct a passage, repeat a code file with an edit, continue a code file), greedy, EOS
@@ -52,6 +52,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from benchmarks.decode import SHAPES
 from benchmarks.step_overhead import GREEDY, engine_config, local_ranks, prompt, running_engine
 from runtime.package import open_package
 from runtime.speculation import GUESS_MIN_RATE, SpecState, SpeculationConfig, num_kept
@@ -538,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=512, help="verify: tokens in the cache")
-    p.add_argument("--shape", choices=["llama-8b", "smollm2"], default="llama-8b", help="verify")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="verify")
     p.add_argument(
         "--cublas-few-rows",
         action="store_true",
