@@ -1,6 +1,7 @@
-"""The few-rows and split-K Triton kernels run through Triton's interpreter on the CPU, in
-float32, against PyTorch: their indexing, masks and fusions (norm, residual stream, SiLU-mul,
-bias, strided rows, K not a multiple of the block, the split-K parts) without a GPU. Run as a
+"""Orbit's Triton kernels run through Triton's interpreter on the CPU, in float32, against
+PyTorch: the few-rows and split-K products (their indexing, masks and fusions: norm, residual
+stream, SiLU-mul, bias, strided rows, K not a multiple of the block, the split-K parts), RoPE
+with the paged KV write, and SiLU-and-multiply, without a GPU. Run as a
 script with TRITON_INTERPRET=1 set before Triton is imported (tests/test_interpreted_kernels.py
 does); prints the worst relative error of each check as JSON and exits 1 on a failed check.
 The GPU tests (tests/gpu/test_gemv.py) check the same products in bf16 on the hardware."""
@@ -63,11 +64,39 @@ def check_fused(worst: dict) -> None:
             worst["fused_silu"] = max(worst.get("fused_silu", 0.0), rel(got, ref))
 
 
+def check_rope_and_silu(worst: dict) -> None:
+    """RoPE with the paged KV write (q and k of a fused qkv's strided views, rotated as
+    runtime/rope.py rotates them; k and v land at their pages and offsets, nothing else in the
+    cache changes), and SiLU-and-multiply."""
+    from runtime.rope import apply_rope
+
+    tokens, hq, hkv, hd, page = 5, 4, 2, 16, 4
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * hd)
+    q = qkv[:, : hq * hd].view(tokens, hq, hd)
+    k = qkv[:, hq * hd : (hq + hkv) * hd].view(tokens, hkv, hd)
+    v = qkv[:, (hq + hkv) * hd :].view(tokens, hkv, hd)
+    angles = torch.randn(tokens, hd // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cache = torch.randn(6, 2, page, hkv, hd)
+    before = cache.clone()
+    pages, offsets = torch.tensor([5, 5, 0, 3, 2]), torch.tensor([0, 3, 1, 2, 3])
+    q_out = cuda_ops.rope_and_store_kv(q, k, v, cos, sin, cache, pages, offsets)
+    worst["rope_q"] = rel(q_out, apply_rope(q, cos, sin))
+    expected = before.clone()
+    expected[pages, 0, offsets] = apply_rope(k, cos, sin)
+    expected[pages, 1, offsets] = v
+    worst["rope_kv"] = rel(cache, expected)
+    gate_up = torch.randn(3, 2 * 100)
+    ref = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
+    worst["silu_mul"] = rel(cuda_ops.silu_and_mul(gate_up), ref)
+
+
 def main() -> int:
     torch.manual_seed(0)
     worst: dict = {}
     check_products(worst)
     check_fused(worst)
+    check_rope_and_silu(worst)
     print(json.dumps(worst))
     return 0 if all(v <= TOL for v in worst.values()) else 1
 

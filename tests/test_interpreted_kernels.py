@@ -1,5 +1,6 @@
-"""Orbit's few-rows and split-K Triton kernels through Triton's interpreter on the CPU
-(tests/interpreted_kernels.py), so their logic is tested where CI runs: no GPU there."""
+"""Orbit's Triton kernels (few-rows and split-K products with their fusions, RoPE with the KV
+write, SiLU-mul) through Triton's interpreter on the CPU (tests/interpreted_kernels.py), so
+their logic is tested where CI runs: no GPU there."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_few_rows_and_split_k_kernels_match_pytorch_in_the_interpreter():
+def test_triton_kernels_match_pytorch_in_the_interpreter():
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(  # noqa: PLW1510 (the return code is asserted with the output)
@@ -27,5 +28,13 @@ def test_few_rows_and_split_k_kernels_match_pytorch_in_the_interpreter():
     )
     assert run.returncode == 0, run.stdout + run.stderr
     worst = json.loads(run.stdout.strip().splitlines()[-1])
-    assert set(worst) == {"few_rows", "split_k", "fused_norm", "fused_silu"}
+    assert set(worst) == {
+        "few_rows",
+        "split_k",
+        "fused_norm",
+        "fused_silu",
+        "rope_q",
+        "rope_kv",
+        "silu_mul",
+    }
     assert all(v <= 1e-5 for v in worst.values()), worst
