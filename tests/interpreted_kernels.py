@@ -1,7 +1,7 @@
 """Orbit's Triton kernels run through Triton's interpreter on the CPU, in float32, against
 PyTorch: the few-rows and split-K products (their indexing, masks and fusions: norm, residual
 stream, SiLU-mul, bias, strided rows, K not a multiple of the block, the split-K parts), RoPE
-with the paged KV write, and SiLU-and-multiply, without a GPU. Run as a
+with the paged KV write, SiLU-and-multiply, and the fused decode attention, without a GPU. Run as a
 script with TRITON_INTERPRET=1 set before Triton is imported (tests/test_interpreted_kernels.py
 does); prints the worst relative error of each check as JSON and exits 1 on a failed check.
 The GPU tests (tests/gpu/test_gemv.py) check the same products in bf16 on the hardware."""
@@ -91,12 +91,61 @@ def check_rope_and_silu(worst: dict) -> None:
     worst["silu_mul"] = rel(cuda_ops.silu_and_mul(gate_up), ref)
 
 
+def check_decode_attention(worst: dict) -> None:
+    """Orbit's fused decode attention (RoPE, the new token's KV write, attention over the
+    row's pages, the context split in 1, 2 or 4 parts merged by the last program of a row)
+    against attention written out in PyTorch: three rows of different lengths over scattered
+    pages, two query heads a KV head."""
+    from runtime import triton_kernels
+    from runtime.rope import apply_rope
+
+    batch, hq, hkv, hd, page = 3, 4, 2, 16, 16
+    lengths, tables = (40, 17, 70), ([3, 7, 1], [0, 5], [2, 4, 6, 8, 9])
+    cache = torch.randn(10, 2, page, hkv, hd)
+    q, k, v = torch.randn(batch, hq, hd), torch.randn(batch, hkv, hd), torch.randn(batch, hkv, hd)
+    angles = torch.randn(batch, hd // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    indptr, indices, last_len, pages, offsets = [0], [], [], [], []
+    for length, table in zip(lengths, tables):
+        used = -(-length // page)
+        indices += table[:used]
+        indptr.append(len(indices))
+        last_len.append(length - (used - 1) * page)
+        pages.append(table[(length - 1) // page])
+        offsets.append((length - 1) % page)
+    expected_cache = cache.clone()
+    expected_cache[pages, 0, offsets] = apply_rope(k, cos, sin)
+    expected_cache[pages, 1, offsets] = v
+    q_rotated, scale = apply_rope(q, cos, sin), hd**-0.5
+    expected = torch.empty(batch, hq, hd)
+    for b, (length, table) in enumerate(zip(lengths, tables)):
+        keys = torch.cat([expected_cache[p, 0] for p in table])[:length]
+        values = torch.cat([expected_cache[p, 1] for p in table])[:length]
+        for h in range(hq):
+            weights = torch.softmax(keys[:, h // (hq // hkv)] @ q_rotated[b, h] * scale, 0)
+            expected[b, h] = weights @ values[:, h // (hq // hkv)]
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    for splits in (1, 2, 4):
+        got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
+        workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
+        triton_kernels.decode_attention(
+            q, k, v, cos, sin, got_cache, i32(indptr), i32(indices), i32(last_len),
+            torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
+            block_t=16, min_chunk=16, num_warps=4,
+        )  # fmt: skip
+        worst["decode_attention"] = max(worst.get("decode_attention", 0.0), rel(out, expected))
+        worst["decode_kv_write"] = max(
+            worst.get("decode_kv_write", 0.0), rel(got_cache, expected_cache)
+        )
+
+
 def main() -> int:
     torch.manual_seed(0)
     worst: dict = {}
     check_products(worst)
     check_fused(worst)
     check_rope_and_silu(worst)
+    check_decode_attention(worst)
     print(json.dumps(worst))
     return 0 if all(v <= TOL for v in worst.values()) else 1
 

@@ -1,5 +1,5 @@
 """Orbit's Triton kernels (few-rows and split-K products with their fusions, RoPE with the KV
-write, SiLU-mul) through Triton's interpreter on the CPU (tests/interpreted_kernels.py), so
+write, SiLU-mul, the fused decode attention) through Triton's interpreter on the CPU (tests/interpreted_kernels.py), so
 their logic is tested where CI runs: no GPU there."""
 
 from __future__ import annotations
@@ -36,5 +36,7 @@ def test_triton_kernels_match_pytorch_in_the_interpreter():
         "rope_q",
         "rope_kv",
         "silu_mul",
+        "decode_attention",
+        "decode_kv_write",
     }
     assert all(v <= 1e-5 for v in worst.values()), worst
