@@ -1,5 +1,5 @@
 """Orbit's Triton kernels run through Triton's interpreter on the CPU, in float32, against
-PyTorch: the few-rows and split-K products (their indexing, masks and fusions: norm, residual
+PyTorch: the one-row GEMV, the few-rows and split-K products (their indexing, masks and fusions: norm, residual
 stream, SiLU-mul, bias, strided rows, K not a multiple of the block, the split-K parts), RoPE
 with the paged KV write, SiLU-and-multiply, and the fused decode attention, without a GPU. Run as a
 script with TRITON_INTERPRET=1 set before Triton is imported (tests/test_interpreted_kernels.py
@@ -62,6 +62,32 @@ def check_fused(worst: dict) -> None:
             got = cuda_ops.silu_and_mul_linear(gate_up, w)
             ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
             worst["fused_silu"] = max(worst.get("fused_silu", 0.0), rel(got, ref))
+
+
+def check_gemv(worst: dict) -> None:
+    """The persistent one-row GEMV (four programs per "SM" on the CPU, so each takes several
+    row blocks in turn, the next block's weights loaded ahead): plain with and without bias,
+    with the add + RMSNorm before it (the stream written once), and with the SiLU-mul."""
+    for n, k in ((96, 80), (37, 300)):
+        w = torch.randn(n, k) / k**0.5
+        bias, nw = torch.randn(n), torch.rand(k) + 0.5
+        x, residual = torch.randn(1, k), torch.randn(1, k)
+        for b in (None, bias):
+            got = cuda_ops.linear(x, w, b)
+            worst["gemv"] = max(
+                worst.get("gemv", 0.0), rel(got, torch.nn.functional.linear(x, w, b))
+            )
+        for res in (None, residual):
+            out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
+            s = x + (0 if res is None else res)
+            ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
+            worst["gemv_norm"] = max(worst.get("gemv_norm", 0.0), rel(out, ref))
+            assert torch.equal(stream, s), "the GEMV's residual stream differs"
+        gate_up = torch.randn(1, 2 * k)
+        ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
+        worst["gemv_silu"] = max(
+            worst.get("gemv_silu", 0.0), rel(cuda_ops.silu_and_mul_linear(gate_up, w), ref)
+        )
 
 
 def check_rope_and_silu(worst: dict) -> None:
@@ -143,6 +169,7 @@ def main() -> int:
     torch.manual_seed(0)
     worst: dict = {}
     check_products(worst)
+    check_gemv(worst)
     check_fused(worst)
     check_rope_and_silu(worst)
     check_decode_attention(worst)
