@@ -103,10 +103,20 @@ def few_rows(x: torch.Tensor) -> bool:
 EARLY_LAUNCH_WEIGHTS = 4 * 2**20
 
 
-def _early(x: torch.Tensor, w: torch.Tensor) -> bool:
-    from runtime.triton_kernels import pdl
+def _launch_bound(w: torch.Tensor) -> bool:
+    return w.numel() <= EARLY_LAUNCH_WEIGHTS
 
-    return w.numel() <= EARLY_LAUNCH_WEIGHTS and pdl(x.device)
+
+def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias, **fused) -> torch.Tensor:
+    """x's rows (or what `fused` makes of them: triton_kernels.few_rows_mm) @ w^T (+ bias)
+    through the few-rows kernel at its tile, launched early for a launch-bound w."""
+    from runtime import triton_kernels
+
+    rows = x.shape[0]
+    out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
+    early = _launch_bound(w) and triton_kernels.pdl(x.device)
+    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early, **fused)
+    return out
 
 
 # Whether a few rows of such small weights also take the add + RMSNorm before qkv and gate_up
@@ -120,7 +130,7 @@ FUSE_FEW_ROWS = False
 def fuses_few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the norm or SiLU-mul before a product of these few rows (x contiguous) by w
     goes inside the few-rows kernel."""
-    return FUSE_FEW_ROWS and few_rows(x) and x.is_contiguous() and w.numel() <= EARLY_LAUNCH_WEIGHTS
+    return FUSE_FEW_ROWS and few_rows(x) and x.is_contiguous() and _launch_bound(w)
 
 
 def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
@@ -159,17 +169,14 @@ def _split_tile(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, int]:
 def many_rows_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [T, K] @ w [N, K]^T (+ bias) for T > 1 bf16/fp16 rows: Orbit's few-rows kernel up to
     HALF_FEW_ROWS, its split-K kernel up to SPLIT_ROWS (when on), cuBLAS beyond."""
-    few, split = few_rows(x), split_rows(x)
-    if not (few or split):
+    if few_rows(x):
+        return _few_rows_mm(x, w, bias)
+    if not split_rows(x):
         return F.linear(x, w, bias)
     from runtime import triton_kernels
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    if few:
-        tile = _few_tile(*w.shape, x.shape[0])
-        triton_kernels.few_rows_mm(x, w, bias, out, tile, early=_early(x, w))
-    else:
-        triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False))
+    triton_kernels.split_k_mm(x, w, bias, out, _split_tile(*w.shape, False))
     return out
 
 
@@ -202,18 +209,11 @@ def silu_and_mul_linear(
 ) -> torch.Tensor:
     """silu_and_mul(gate_up) @ w^T; one row in one kernel, a few rows of a small dense weight
     too where fuses_few_rows says so."""
-    from runtime import triton_kernels
-
     if not one_row(gate_up):
-        if scale is not None or not fuses_few_rows(gate_up, w):
-            return many_rows_linear(silu_and_mul(gate_up), w, None)
-        rows = gate_up.shape[0]
-        out = torch.empty((rows, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
-        tile = _few_tile(*w.shape, rows)
-        triton_kernels.few_rows_mm(
-            gate_up, w, None, out, tile, early=_early(gate_up, w), silu_mul=True
-        )
-        return out
+        if scale is None and fuses_few_rows(gate_up, w):
+            return _few_rows_mm(gate_up, w, None, silu_mul=True)
+        return many_rows_linear(silu_and_mul(gate_up), w, None)
+    from runtime import triton_kernels
 
     out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
     triton_kernels.gemv_rows(
@@ -311,23 +311,13 @@ def norm_linear(
     or of the few-rows kernel (a dense w) normalises the rows itself."""
     from runtime import triton_kernels
 
-    rows = x.shape[0]
-    out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
     stream = torch.empty_like(x) if residual is not None else None
-    if rows > 1:
-        triton_kernels.few_rows_mm(
-            x,
-            w,
-            bias,
-            out,
-            _few_tile(*w.shape, rows),
-            early=_early(x, w),
-            norm_weight=norm_weight,
-            eps=eps,
-            residual=residual,
-            residual_out=stream,
+    if x.shape[0] > 1:
+        out = _few_rows_mm(
+            x, w, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=stream
         )
         return out, (x if stream is None else stream)
+    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
     triton_kernels.gemv_rows(
         x,
         w,
