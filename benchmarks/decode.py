@@ -456,15 +456,13 @@ def main(argv=None) -> int:
         use_cublas_for_few_rows()
     if args.split_rows:
         use_split_k_up_to(args.split_rows)
-    if args.late_few_rows:
-        from runtime import cuda_ops
+    from prepare.model_spec import model_spec_from_config
+    from runtime import cuda_ops
 
+    if args.late_few_rows:
         cuda_ops.EARLY_LAUNCH_WEIGHTS = 0
     if args.fuse_few_rows:
-        from runtime import cuda_ops
-
         cuda_ops.FUSE_FEW_ROWS = True
-    from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,29 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm()).item()
 
 
+def note(worst: dict, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
+    """Keep the worst relative error of check `name`."""
+    worst[name] = max(worst.get(name, 0.0), rel(got, ref))
+
+
+def check_norm_and_silu(worst: dict, prefix: str, x, residual, w, nw) -> None:
+    """norm_linear of x without and with the residual (the stream exact, the inputs
+    untouched) and silu_and_mul_linear of rows as many as x's, against PyTorch: the worst
+    errors as PREFIX_norm and PREFIX_silu."""
+    before = (x.clone(), residual.clone())
+    for res in (None, residual):
+        out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
+        s = x + (0 if res is None else res)
+        ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
+        note(worst, f"{prefix}_norm", out, ref)
+        assert torch.equal(stream, s), f"{prefix}: the residual stream differs"
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+    k = x.shape[1]
+    gate_up = torch.randn(x.shape[0], 2 * k)
+    ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
+    note(worst, f"{prefix}_silu", cuda_ops.silu_and_mul_linear(gate_up, w), ref)
+
+
 def check_products(worst: dict) -> None:
     """Plain few-rows products (2 to 32 rows) and split-K ones (33 to 64 rows, SPLIT_ROWS on),
     of contiguous and strided rows, with and without bias."""
@@ -33,11 +56,8 @@ def check_products(worst: dict) -> None:
             wide = torch.randn(m, k + 8)
             for x in (wide[:, :k].contiguous(), wide[:, :k]):
                 for b in (None, bias):
-                    got = cuda_ops.linear(x, w, b)
                     name = "split_k" if m > cuda_ops.HALF_FEW_ROWS else "few_rows"
-                    worst[name] = max(
-                        worst.get(name, 0.0), rel(got, torch.nn.functional.linear(x, w, b))
-                    )
+                    note(worst, name, cuda_ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
 def check_fused(worst: dict) -> None:
@@ -50,18 +70,8 @@ def check_fused(worst: dict) -> None:
         for m in (2, 17):
             x, residual = torch.randn(m, k), torch.randn(m, k)
             assert cuda_ops.fuses_norm(x, residual, w)
-            before = (x.clone(), residual.clone())
-            for res in (None, residual):
-                out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
-                s = x + (0 if res is None else res)
-                ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
-                worst["fused_norm"] = max(worst.get("fused_norm", 0.0), rel(out, ref))
-                assert torch.equal(stream, s), "the residual stream differs"
-            assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
-            gate_up = torch.randn(m, 2 * k)
-            got = cuda_ops.silu_and_mul_linear(gate_up, w)
-            ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
-            worst["fused_silu"] = max(worst.get("fused_silu", 0.0), rel(got, ref))
+            assert cuda_ops.fuses_few_rows(torch.randn(m, 2 * k), w)
+            check_norm_and_silu(worst, "fused", x, residual, w, nw)
 
 
 def check_gemv(worst: dict) -> None:
@@ -73,21 +83,8 @@ def check_gemv(worst: dict) -> None:
         bias, nw = torch.randn(n), torch.rand(k) + 0.5
         x, residual = torch.randn(1, k), torch.randn(1, k)
         for b in (None, bias):
-            got = cuda_ops.linear(x, w, b)
-            worst["gemv"] = max(
-                worst.get("gemv", 0.0), rel(got, torch.nn.functional.linear(x, w, b))
-            )
-        for res in (None, residual):
-            out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
-            s = x + (0 if res is None else res)
-            ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
-            worst["gemv_norm"] = max(worst.get("gemv_norm", 0.0), rel(out, ref))
-            assert torch.equal(stream, s), "the GEMV's residual stream differs"
-        gate_up = torch.randn(1, 2 * k)
-        ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
-        worst["gemv_silu"] = max(
-            worst.get("gemv_silu", 0.0), rel(cuda_ops.silu_and_mul_linear(gate_up, w), ref)
-        )
+            note(worst, "gemv", cuda_ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
+        check_norm_and_silu(worst, "gemv", x, residual, w, nw)
 
 
 def check_rope_and_silu(worst: dict) -> None:
@@ -107,14 +104,14 @@ def check_rope_and_silu(worst: dict) -> None:
     before = cache.clone()
     pages, offsets = torch.tensor([5, 5, 0, 3, 2]), torch.tensor([0, 3, 1, 2, 3])
     q_out = cuda_ops.rope_and_store_kv(q, k, v, cos, sin, cache, pages, offsets)
-    worst["rope_q"] = rel(q_out, apply_rope(q, cos, sin))
+    note(worst, "rope_q", q_out, apply_rope(q, cos, sin))
     expected = before.clone()
     expected[pages, 0, offsets] = apply_rope(k, cos, sin)
     expected[pages, 1, offsets] = v
-    worst["rope_kv"] = rel(cache, expected)
+    note(worst, "rope_kv", cache, expected)
     gate_up = torch.randn(3, 2 * 100)
     ref = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
-    worst["silu_mul"] = rel(cuda_ops.silu_and_mul(gate_up), ref)
+    note(worst, "silu_mul", cuda_ops.silu_and_mul(gate_up), ref)
 
 
 def check_decode_attention(worst: dict) -> None:
@@ -159,10 +156,8 @@ def check_decode_attention(worst: dict) -> None:
             torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
             block_t=16, min_chunk=16, num_warps=4,
         )  # fmt: skip
-        worst["decode_attention"] = max(worst.get("decode_attention", 0.0), rel(out, expected))
-        worst["decode_kv_write"] = max(
-            worst.get("decode_kv_write", 0.0), rel(got_cache, expected_cache)
-        )
+        note(worst, "decode_attention", out, expected)
+        note(worst, "decode_kv_write", got_cache, expected_cache)
 
 
 def main() -> int:
