@@ -249,6 +249,7 @@ def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=409
     options = CudaRunnerOptions(
         kv_fraction=args.kv_fraction,
         fused_decode_max_bucket=args.fused_decode_max_bucket,
+        exact_verify_max_bucket=getattr(args, "exact_verify_max_bucket", 0),
         kv_quant=kv_quant,
     )
     runner = CudaGraphRunner(model, caps, options)

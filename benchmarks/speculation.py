@@ -545,6 +545,13 @@ def main(argv: list[str] | None = None) -> dict:
         action="store_true",
         help="verify: the baseline, products of 2 to 32 rows through cuBLAS",
     )
+    p.add_argument(
+        "--exact-verify-max-bucket",
+        type=int,
+        default=0,
+        help="verify: the runner's option; 32 replays verification rows of up to 32 one-token "
+        "rows from the exact graphs (one-row kernels), 0 through FlashInfer's decode graph",
+    )
     p.add_argument("--out", type=Path, help="write DIR/speculation_PART.json")
     args = p.parse_args(argv)
     if args.part == "verify":

@@ -190,7 +190,10 @@ class Rank:
         num_pages, drafter = runner.kv_plan.num_pages, None
         if draft is not None:
             draft_runner = CudaGraphRunner(
-                draft_model, draft.capacities, CudaRunnerOptions(max_kv_pages=num_pages)
+                draft_model,
+                draft.capacities,
+                # the draft proposes in one-row steps and never verifies
+                CudaRunnerOptions(max_kv_pages=num_pages, exact_verify_max_bucket=0),
             )
             if draft_runner.kv_plan.num_pages < num_pages:
                 raise ValueError(

@@ -59,7 +59,10 @@ def _scales(kv: KVCache, layer: int) -> dict[str, float]:
 
 class FusedDecodeAttention:
     """Decode attention for a batch bucket of `bucket` rows, one new token each, in one kernel
-    a layer."""
+    a layer. `exact`: rows that may read one another's new tokens (a verification row as
+    one-token rows of its sequence), each attending exactly as a one-row step would: every
+    row's k and v are written first (a second kernel, the same rounding), and the context is
+    split as for one row, so a row's chunks and the order of its sums are a lone row's."""
 
     def __init__(
         self,
@@ -70,6 +73,7 @@ class FusedDecodeAttention:
         write_offsets: torch.Tensor,
         scale: float,
         num_q_heads: int,
+        exact: bool = False,
     ):
         from runtime import triton_kernels
 
@@ -81,7 +85,8 @@ class FusedDecodeAttention:
         self.indptr_buf = torch.zeros(bucket + 1, dtype=torch.int32, device=device)
         self.indices_buf = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=device)
         self.last_len_buf = torch.ones(bucket, dtype=torch.int32, device=device)
-        self.splits = triton_kernels.decode_splits(bucket, s.kv_heads, device)
+        self.exact = exact
+        self.splits = triton_kernels.decode_splits(1 if exact else bucket, s.kv_heads, device)
         self.workspace = triton_kernels.decode_workspace(
             bucket, s.kv_heads, num_q_heads // s.kv_heads, s.head_dim, self.splits, device
         )
@@ -94,6 +99,12 @@ class FusedDecodeAttention:
         [bucket, hq, hd]."""
         from runtime import triton_kernels
 
+        cache, scales = self.kv.layers[layer], self.kv.scales(layer)
+        if self.exact:
+            pages, offsets = self.write_pages, self.write_offsets
+            triton_kernels.rope_store_kv(
+                q, k, v, q, cache, cos, sin, pages, offsets, scales, kv_only=True
+            )
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         triton_kernels.decode_attention(
             q,
@@ -101,7 +112,7 @@ class FusedDecodeAttention:
             v,
             cos,
             sin,
-            self.kv.layers[layer],
+            cache,
             self.indptr_buf,
             self.indices_buf,
             self.last_len_buf,
@@ -111,7 +122,8 @@ class FusedDecodeAttention:
             self.workspace,
             self.scale,
             self.splits,
-            self.kv.scales(layer),
+            scales,
+            store_new=not self.exact,
         )
         return out
 

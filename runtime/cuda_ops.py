@@ -2,15 +2,18 @@
 CUDA tensors) and the attention classes: FlashInfer's RMSNorm and fused add + RMSNorm, and
 Triton kernels for RoPE with the paged KV write, SiLU-and-multiply, and the one-row products
 of decode at batch 1 (GEMVs, with the add + RMSNorm before qkv and gate_up and the SiLU-mul
-before down fused in; FP8 weights too), and for FP8 weights at more rows, the per-token
-activation quantization and the FP8 GEMMs. FlashInfer and Triton are imported on first use, so
-this module loads on machines that have neither (the CPU reference path never calls it).
+before down fused in; FP8 weights too; inside exact_rows() a few rows each as the one row),
+and for FP8 weights at more rows, the per-token activation quantization and the FP8 GEMMs.
+FlashInfer and Triton are imported on first use, so this module loads on machines that have
+neither (the CPU reference path never calls it).
 
 Each function allocates its output with the caching allocator; inside a captured CUDA graph
 that memory comes from the graph's pool, so replays allocate nothing.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -68,8 +71,28 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def one_row(x: torch.Tensor) -> bool:
     """A decode step of one sequence: its products are GEMVs, which Orbit's kernels run at the
-    weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv)."""
-    return x.shape[0] == 1 and x.is_contiguous()
+    weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv).
+    Inside exact_rows(), up to HALF_FEW_ROWS rows as well, each row through the one-row GEMV."""
+    rows = x.shape[0]
+    return (rows == 1 or (_exact_rows and 1 < rows <= HALF_FEW_ROWS)) and x.is_contiguous()
+
+
+# Set while the runner captures the graphs of verification steps (runtime/cuda_runner.py):
+# their rows take the one-row kernels, each row computed bit for bit as a one-row decode step
+# computes it, so speculation's greedy output is the output without it (issue 19). The GEMV
+# reads each weight block once and multiplies every row by it in turn.
+_exact_rows = False
+
+
+@contextlib.contextmanager
+def exact_rows():
+    """Within: the products of a few rows run as one-row products, row by row (one_row)."""
+    global _exact_rows
+    _exact_rows = True
+    try:
+        yield
+    finally:
+        _exact_rows = False
 
 
 def _rows_tile(n: int, k: int, fp8: bool = False) -> tuple[int, int, int]:
@@ -194,7 +217,7 @@ def linear(
         return many_rows_linear(x, w, bias)
     from runtime import triton_kernels
 
-    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     triton_kernels.gemv_rows(
         x, w, bias, out, _rows_tile(*w.shape, scale is not None), w_scale=scale, w_block=block
     )
@@ -215,7 +238,7 @@ def silu_and_mul_linear(
         return many_rows_linear(silu_and_mul(gate_up), w, None)
     from runtime import triton_kernels
 
-    out = torch.empty((1, w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
+    out = torch.empty((gate_up.shape[0], w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
     triton_kernels.gemv_rows(
         gate_up,
         w,
@@ -312,12 +335,12 @@ def norm_linear(
     from runtime import triton_kernels
 
     stream = torch.empty_like(x) if residual is not None else None
-    if x.shape[0] > 1:
+    if not one_row(x):
         out = _few_rows_mm(
             x, w, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=stream
         )
         return out, (x if stream is None else stream)
-    out = torch.empty((1, w.shape[0]), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     triton_kernels.gemv_rows(
         x,
         w,

@@ -34,9 +34,16 @@ BucketError: it is never run eagerly in silence.
 
 A step of decode rows and verification rows (speculative decoding: a row of m tokens that
 samples after each) runs as a decode step too, each verification row as m one-token rows of
-its sequence at consecutive positions (its tokens' KV written before any row attends), through
-FlashInfer's decode graph of the bucket, since Orbit's fused kernel would read context that
-other programs of the same launch write.
+its sequence at consecutive positions (its tokens' KV written before any row attends). Up to
+CudaRunnerOptions.exact_verify_max_bucket rows (off by default until timed on a GPU) it
+replays the bucket's exact graph, captured inside cuda_ops.exact_rows(): every product through
+the one-row GEMV (a weight block read once, multiplied by each row in turn with the one-row
+code) and FusedDecodeAttention(exact=True) (a KV-writing kernel first, then the fused kernel
+reading only, the context split as for one row), so each row's logits and KV are bit for bit
+those of one-row steps, and greedy output with speculation is the output without it
+(tests/gpu: test_verification_rows_equal_one_row_steps_bit_for_bit). Otherwise, and with FP8
+pages, it replays FlashInfer's decode graph of the bucket, whose few-rows products round
+differently from the GEMV.
 
 Any other step (prefill chunks, or a mix of prefill chunks and decode rows) is padded to the
 smallest token bucket that holds its tokens and replayed from that bucket's graph: padding
@@ -61,6 +68,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from runtime import cuda_ops
 from runtime.cuda_attention import (
     DecodeAttention,
     FusedDecodeAttention,
@@ -98,6 +106,16 @@ class CudaRunnerOptions:
     # faster beyond (H200, docs/performance.md). A max bucket of 0 turns it off.
     fused_decode_max_bucket: int = 8
     fused_decode_max_context: int = 2048
+    # Decode buckets of at most this many rows also get a graph for steps with verification
+    # rows (speculative decoding) that computes every row exactly as a one-row step does: the
+    # one-row GEMV and FusedDecodeAttention(exact=True), so greedy output with speculation is
+    # token for token the output without it. Needs the fused one-row graph (it is what the
+    # rows must equal) and model-dtype pages; replayed up to fused_decode_max_context. 0: off
+    # (verification rows take FlashInfer's decode graph and the few-rows products). Off by
+    # default until a GPU has timed the GEMV's multi-row form: its first form (a program per
+    # row and weight block, checked bit for bit on an H100) made SmolLM2-135M's 17-token
+    # verification 3.4 ms against 1.0 (docs/performance.md, 2026-12-05 20:00 UTC).
+    exact_verify_max_bucket: int = 0
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
     # (rank 0's draft model, ranks/drafting.py): the pool is sized as if its pages held both.
@@ -182,6 +200,8 @@ class CudaGraphRunner:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._fused: dict[int, FusedDecodeAttention] = {}
         self._fused_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._exact: dict[int, FusedDecodeAttention] = {}
+        self._exact_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
@@ -316,6 +336,13 @@ class CudaGraphRunner:
                 )
                 self._fused[bucket] = fused
                 self._fused_graphs[bucket] = self._capture_decode(bucket, fused, pool)
+            if bucket <= self._exact_max_bucket():
+                exact = FusedDecodeAttention(
+                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads, True
+                )
+                self._exact[bucket] = exact
+                with cuda_ops.exact_rows():
+                    self._exact_graphs[bucket] = self._capture_decode(bucket, exact, pool)
         torch.cuda.synchronize()
         log.info(
             "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
@@ -324,6 +351,13 @@ class CudaGraphRunner:
             list(self.buckets),
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
+
+    def _exact_max_bucket(self) -> int:
+        """The largest bucket that gets an exact verification graph (0: none)."""
+        opts = self.options
+        if opts.fused_decode_max_bucket < 1 or opts.kv_quant is not None:
+            return 0  # no fused one-row graph to equal, or FP8 pages (rounded two ways)
+        return opts.exact_verify_max_bucket
 
     def _capture_decode(
         self, bucket: int, attn: DecodeAttention | FusedDecodeAttention, pool
@@ -369,10 +403,10 @@ class CudaGraphRunner:
         rows = _decode_rows(seqs)
         if rows is not None and len(rows) <= self.buckets[-1]:
             # Verification rows as one-token rows of their sequences: every row's KV is
-            # written before any row attends, which FlashInfer's decode graph does (RoPE + KV
-            # write, then attention) and the fused kernel does not (a program reads the
-            # context other programs of the same launch write).
-            return self._decode_step(rows, fused=False)
+            # written before any row attends, which FlashInfer's decode graph and the exact
+            # graph do (a KV-writing kernel, then attention) and the fused one does not (a
+            # program would read the context other programs of the same launch write).
+            return self._decode_step(rows, verification=True)
         return self._prefill_step(seqs)
 
     @torch.inference_mode()
@@ -381,7 +415,7 @@ class CudaGraphRunner:
         tests' uncaptured counterpart of the graphs."""
         return self._prefill_forward(seqs, self._prefill)
 
-    def _decode_step(self, seqs: list[SeqInput], fused: bool = True) -> torch.Tensor:
+    def _decode_step(self, seqs: list[SeqInput], verification: bool = False) -> torch.Tensor:
         if not seqs:
             raise BucketError("a step needs at least one sequence.")
         bucket = next((b for b in self.buckets if b >= len(seqs)), None)
@@ -390,10 +424,13 @@ class CudaGraphRunner:
                 f"decode batch of {len(seqs)} sequences exceeds the largest captured bucket "
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
-        longest = max(s.start_pos + 1 for s in seqs)
-        if fused and bucket in self._fused and longest <= self.options.fused_decode_max_context:
-            self._plan_decode(seqs, bucket, self._fused[bucket])
-            self._fused_graphs[bucket].replay()
+        short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
+        own = (
+            (self._exact, self._exact_graphs) if verification else (self._fused, self._fused_graphs)
+        )
+        if short and bucket in own[0]:
+            self._plan_decode(seqs, bucket, own[0][bucket])
+            own[1][bucket].replay()
         else:
             self._plan_decode(seqs, bucket, self._decode[bucket])
             self._graphs[bucket].replay()

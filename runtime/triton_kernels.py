@@ -102,14 +102,16 @@ def _to_fp8(x):
     return tl.clamp(x, -448.0, 448.0).to(tl.float8e4nv)
 
 
-def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets, kv_scales) -> None:
+def rope_store_kv(q, k, v, q_out, cache, cos, sin, pages, offsets, kv_scales, kv_only=False):
     """q [T, hq, hd], k, v [T, hkv, hd] (any token/head strides, unit last stride): rotated q
     into contiguous q_out; rotated k and v into cache [P, 2, page_size, hkv, hd] (contiguous)
     at (pages[t], offsets[t]) (int64 [T]), divided by kv_scales (k, v) when the cache is FP8;
-    cos, sin [T, hd] with unit last stride."""
+    cos, sin [T, hd] with unit last stride. kv_only: k and v only (q and q_out untouched)."""
     num_tokens, hq, hd = q.shape
     hkv = k.shape[1]
     half = hd // 2
+    if kv_only:
+        hq = 0  # every program takes a kv head
     _rope_store_kv_kernel[(num_tokens, hq + hkv)](
         q,
         k,
@@ -214,6 +216,7 @@ def _decode_attention_kernel(
     MIN_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
+    STORE_NEW: tl.constexpr,
 ):
     # FP8 pages (KV_FP8): keys and values are widened to the model's dtype for the products;
     # a layer's k scale goes into the softmax scale and its v scale into the output. The new
@@ -281,7 +284,7 @@ def _decode_attention_kernel(
             vn1 = _to_fp8(vn1.to(tl.float32) / v_scale)
             vn2 = _to_fp8(vn2.to(tl.float32) / v_scale)
         last = s == active - 1
-        if last:
+        if last and STORE_NEW:
             slot = (
                 cache_ptr
                 + tl.load(pages_ptr + b) * page_stride
@@ -408,13 +411,16 @@ def decode_attention(
     block_t: int = 64,
     min_chunk: int = 128,
     num_warps: int = 8,
+    store_new: bool = True,
 ) -> None:
     """Decode attention of B rows, one new token each, with that token's RoPE and KV write:
     q [B, hq, hd], k, v [B, hkv, hd] (this step's, before RoPE; unit last stride), cos, sin
     [B, hd]; cache [P, 2, page_size, hkv, hd]; a row's pages are indices[indptr[b]:indptr[b+1]]
     with last_len[b] tokens in the last (int32), its new token goes to (pages[b], offsets[b])
     (int64). out [B, hq, hd] contiguous. workspace from decode_workspace(..., splits). An FP8
-    cache holds keys and values divided by kv_scales (k, v)."""
+    cache holds keys and values divided by kv_scales (k, v). store_new=False: the new tokens'
+    k and v are in the cache already (rope_store_kv, kv_only, the same rounding), so rows may
+    read one another's (the rows of one verification), and the kernel only reads the cache."""
     batch, hq, hd = q.shape
     hkv = k.shape[1]
     part_acc, part_ml, counts = workspace
@@ -459,6 +465,7 @@ def decode_attention(
         MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
         KV_FP8=cache.dtype == torch.float8_e4m3fn,
         PDL=use_pdl,
+        STORE_NEW=store_new,
         num_warps=num_warps,
         launch_pdl=use_pdl,
     )
@@ -522,6 +529,61 @@ def exponential_race(probs, seeds, out) -> None:
 
 
 @triton.jit
+def _gemv_input(
+    x_ptr, res_ptr, norm_w_ptr, res_out_ptr, cols, col_ok, eps, store_stream, dtype,
+    K: tl.constexpr, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr,
+):  # fmt: skip
+    """One activation row as the GEMV multiplies it, float32 [BLOCK_K]: x, or silu(gate) * up
+    of x = [gate | up], plus the residual (the stream written when store_stream), normalised."""
+    if SILU_MUL:  # x = [gate | up] of 2K: silu(gate) * up, rounded as the unfused kernel
+        gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xk = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
+    else:
+        xk = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:  # the stream s = x + residual, kept for the next add (FlashInfer's order)
+        xk += tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if store_stream:
+            tl.store(res_out_ptr + cols, xk.to(dtype), mask=col_ok)
+    if NORM:
+        rrms = 1.0 / tl.sqrt(tl.sum(xk * xk, axis=0) / K + eps)
+        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xk = (xk * rrms * nw).to(dtype).to(tl.float32)
+    return xk
+
+
+@triton.jit
+def _gemv_block(
+    w, xk, rows, y_ptr, b_ptr, w_scale_ptr, N,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    SCALE_COLS: tl.constexpr, W_SCALE: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):  # fmt: skip
+    """y[rows] = the block w [BLOCK_N, BLOCK_K] of weight rows times xk (scaled, + bias)."""
+    if W_SCALE == 2:
+        parts = tl.sum(
+            tl.reshape(
+                w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // BLOCK_COLS, BLOCK_COLS)
+            ),
+            axis=2,
+        )
+        kb = tl.arange(0, BLOCK_K // BLOCK_COLS)
+        ws = tl.load(
+            w_scale_ptr + (rows // BLOCK_ROWS)[:, None] * SCALE_COLS + kb[None, :],
+            mask=(rows < N)[:, None] & (kb < SCALE_COLS)[None, :],
+            other=0.0,
+        )
+        y = tl.sum(parts * ws, axis=1)
+    else:
+        y = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
+    if W_SCALE == 1:
+        y *= tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
 def _gemv_rows_kernel(
     x_ptr,
     res_ptr,
@@ -532,6 +594,7 @@ def _gemv_rows_kernel(
     y_ptr,
     N,
     eps,
+    x_stride,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -545,6 +608,7 @@ def _gemv_rows_kernel(
     W_SCALE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    M: tl.constexpr,
 ):
     # W_SCALE: 0 a dense w; 1 float8 w with one scale per row; 2 float8 w with one scale per
     # (BLOCK_ROWS x BLOCK_COLS) block, SCALE_COLS blocks a row. The scales multiply the dot
@@ -553,6 +617,10 @@ def _gemv_rows_kernel(
     # ... of w with the whole K in one tile, so the activation row is read (and normalised)
     # once per program rather than once per row block, and the next block's weights are in
     # flight while the current one is multiplied.
+    # M > 1 activation rows (verification rows that must equal one-row steps bit for bit):
+    # each weight block, read once, multiplies every row in turn, each row prepared by the
+    # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
+    # so a row's result is the one it gets alone; its preparation is redone per block.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -570,20 +638,11 @@ def _gemv_rows_kernel(
         gdc_wait()
         gdc_launch_dependents()
     dtype = y_ptr.dtype.element_ty
-    if SILU_MUL:  # x = [gate | up] of 2K: silu(gate) * up, rounded as the unfused kernel
-        gate = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xk = (gate / (1.0 + tl.exp(-gate)) * up).to(dtype).to(tl.float32)
-    else:
-        xk = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    if ADD_RESIDUAL:  # the stream s = x + residual, kept for the next add (FlashInfer's order)
-        xk += tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        if pid == 0:
-            tl.store(res_out_ptr + cols, xk.to(dtype), mask=col_ok)
-    if NORM:
-        rrms = 1.0 / tl.sqrt(tl.sum(xk * xk, axis=0) / K + eps)
-        nw = tl.load(norm_w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-        xk = (xk * rrms * nw).to(dtype).to(tl.float32)
+    if M == 1:
+        xk = _gemv_input(
+            x_ptr, res_ptr, norm_w_ptr, res_out_ptr, cols, col_ok, eps, pid == 0, dtype,
+            K, NORM, ADD_RESIDUAL, SILU_MUL,
+        )  # fmt: skip
     for blk in range(pid, num_blocks, num_programs):
         rows = blk * BLOCK_N + r
         nxt = (blk + num_programs) * BLOCK_N + r
@@ -593,27 +652,21 @@ def _gemv_rows_kernel(
             other=0.0,
             eviction_policy="evict_first",
         )
-        if W_SCALE == 2:
-            parts = tl.sum(
-                tl.reshape(
-                    w.to(tl.float32) * xk[None, :], (BLOCK_N, BLOCK_K // BLOCK_COLS, BLOCK_COLS)
-                ),
-                axis=2,
-            )
-            kb = tl.arange(0, BLOCK_K // BLOCK_COLS)
-            ws = tl.load(
-                w_scale_ptr + (rows // BLOCK_ROWS)[:, None] * SCALE_COLS + kb[None, :],
-                mask=(rows < N)[:, None] & (kb < SCALE_COLS)[None, :],
-                other=0.0,
-            )
-            y = tl.sum(parts * ws, axis=1)
+        if M == 1:
+            _gemv_block(
+                w, xk, rows, y_ptr, b_ptr, w_scale_ptr, N,
+                BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
+            )  # fmt: skip
         else:
-            y = tl.sum(w.to(tl.float32) * xk[None, :], axis=1)
-        if W_SCALE == 1:
-            y *= tl.load(w_scale_ptr + rows, mask=rows < N, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(dtype), mask=rows < N)
+            for m in tl.static_range(M):
+                xm = _gemv_input(
+                    x_ptr + m * x_stride, res_ptr + m * K, norm_w_ptr, res_out_ptr + m * K,
+                    cols, col_ok, eps, blk == 0, dtype, K, NORM, ADD_RESIDUAL, SILU_MUL,
+                )  # fmt: skip
+                _gemv_block(
+                    w, xm, rows, y_ptr + m * N, b_ptr, w_scale_ptr, N,
+                    BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
+                )  # fmt: skip
         w = w_next
 
 
@@ -631,12 +684,15 @@ def gemv_rows(
     w_scale=None,
     w_block=None,
 ) -> None:
-    """The persistent one-row GEMV: out [1, N] = a [1, K] @ w [N, K]^T (+ bias), where a is x,
+    """The persistent GEMV: out [M, N] = a [M, K] @ w [N, K]^T (+ bias), where a is x,
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
-    (BLOCK_N, num_warps, programs per SM). w_scale: a float8 w's scales, [N] per row or
-    [ceil(N / rows), ceil(K / cols)] per block of w_block = (rows, cols), both powers of 2."""
+    (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
+    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8
+    w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block of w_block =
+    (rows, cols), both powers of 2."""
     n, k = w.shape
+    m = x.shape[0]
     block_n, warps, per_sm = tile
     scaled = dict(w_scale_ptr=w, SCALE_COLS=0, W_SCALE=0, BLOCK_ROWS=1, BLOCK_COLS=1)
     block_k = triton.next_power_of_2(k)
@@ -664,9 +720,11 @@ def gemv_rows(
         out,
         n,
         eps,
+        x.stride(0),
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        M=m,
         NORM=norm_weight is not None,
         ADD_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,

@@ -160,6 +160,77 @@ def check_decode_attention(worst: dict) -> None:
         note(worst, "decode_kv_write", got_cache, expected_cache)
 
 
+def check_exact_rows(worst: dict) -> None:
+    """Inside cuda_ops.exact_rows(), a few rows through the one-row GEMV (plain with bias, the
+    add + RMSNorm with its stream, the SiLU-mul) equal each row through it alone, exactly:
+    worst absolute difference as exact_gemv (0 required)."""
+    n, k, m = 37, 300, 5
+    w = torch.randn(n, k) / k**0.5
+    bias, nw = torch.randn(n), torch.rand(k) + 0.5
+    x, residual, gate_up = torch.randn(m, k), torch.randn(m, k), torch.randn(m, 2 * k)
+
+    def products(x, residual, gate_up):
+        out, stream = cuda_ops.norm_linear(x, residual, nw, 1e-5, w, None)
+        return torch.cat([cuda_ops.linear(x, w, bias), out, stream,
+                          cuda_ops.silu_and_mul_linear(gate_up, w)], 1)  # fmt: skip
+
+    with cuda_ops.exact_rows():
+        assert cuda_ops.one_row(x)
+        together = products(x, residual, gate_up)
+    alone = torch.cat([products(x[i : i + 1], residual[i : i + 1], gate_up[i : i + 1])
+                       for i in range(m)])  # fmt: skip
+    worst["exact_gemv"] = (together - alone).abs().max().item()
+
+
+def _paged(lengths, tables, page):
+    """(indptr, indices, last_len) int32 of rows of these lengths over these page tables."""
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    indptr, indices, last_len = [0], [], []
+    for length, table in zip(lengths, tables):
+        used = -(-length // page)
+        indices += table[:used]
+        indptr.append(len(indices))
+        last_len.append(length - (used - 1) * page)
+    return i32(indptr), i32(indices), i32(last_len)
+
+
+def check_exact_attention(worst: dict) -> None:
+    """A verification row of one sequence as one-token rows (FusedDecodeAttention's exact
+    mode: rope_store_kv writes every row's k and v, then the fused kernel reads them, the
+    context split as for one row) against the same tokens in one-row steps one after
+    another: outputs and cache exactly equal (exact_attention, 0 required)."""
+    from runtime import triton_kernels
+
+    hq, hkv, hd, page, start, m, splits = 4, 2, 16, 16, 37, 6, 4
+    table = [3, 7, 1, 5]
+    cache = torch.randn(8, 2, page, hkv, hd)
+    q, k, v = torch.randn(m, hq, hd), torch.randn(m, hkv, hd), torch.randn(m, hkv, hd)
+    angles = torch.randn(m, hd // 2)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    positions = range(start, start + m)
+    pages = torch.tensor([table[p // page] for p in positions])
+    offsets = torch.tensor([p % page for p in positions])
+    kw = {"block_t": 16, "min_chunk": 16, "num_warps": 4}
+    one_by_one, alone = cache.clone(), torch.empty(m, hq, hd)
+    for i, p in enumerate(positions):
+        workspace = triton_kernels.decode_workspace(1, hkv, hq // hkv, hd, splits, "cpu")
+        triton_kernels.decode_attention(
+            q[i : i + 1], k[i : i + 1], v[i : i + 1], cos[i : i + 1], sin[i : i + 1], one_by_one,
+            *_paged([p + 1], [table], page), pages[i : i + 1], offsets[i : i + 1],
+            alone[i : i + 1], workspace, hd**-0.5, splits, **kw,
+        )  # fmt: skip
+    together, out = cache.clone(), torch.empty(m, hq, hd)
+    triton_kernels.rope_store_kv(q, k, v, q, together, cos, sin, pages, offsets, (1.0, 1.0), True)
+    workspace = triton_kernels.decode_workspace(m, hkv, hq // hkv, hd, splits, "cpu")
+    triton_kernels.decode_attention(
+        q, k, v, cos, sin, together, *_paged([p + 1 for p in positions], [table] * m, page),
+        pages, offsets, out, workspace, hd**-0.5, splits, store_new=False, **kw,
+    )  # fmt: skip
+    worst["exact_attention"] = max(
+        (out - alone).abs().max().item(), (together - one_by_one).abs().max().item()
+    )
+
+
 def main() -> int:
     torch.manual_seed(0)
     worst: dict = {}
@@ -168,8 +239,11 @@ def main() -> int:
     check_fused(worst)
     check_rope_and_silu(worst)
     check_decode_attention(worst)
+    check_exact_rows(worst)
+    check_exact_attention(worst)
     print(json.dumps(worst))
-    return 0 if all(v <= TOL for v in worst.values()) else 1
+    exact = all(v == 0.0 for name, v in worst.items() if name.startswith("exact"))
+    return 0 if exact and all(v <= TOL for v in worst.values()) else 1
 
 
 if __name__ == "__main__":

@@ -92,3 +92,31 @@ def greedy(
 
 def rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return ((got - ref).norm() / ref.norm()).item()
+
+
+def verification_vs_one_row_steps(runner, vocab: int, seed: int) -> dict:
+    """Two sequences of one prompt (one page table each, prefilled alike); one decodes a
+    13-token continuation in one-row steps, the other takes it as one verification row beside
+    a decode row of a third sequence (as a speculating batch does; 14 one-token rows, bucket
+    16), its context crossing a page. Returns the largest absolute difference of the logits
+    and of the layers' KV at the continuation's positions: 0 when verification rows compute
+    exactly what one-row steps do."""
+    torch.manual_seed(seed)
+    prompt = torch.randint(0, vocab, (150,)).tolist()
+    other = torch.randint(0, vocab, (40,)).tolist()
+    cont = torch.randint(0, vocab, (13,)).tolist()
+    tables = page_tables(3, 512)
+    prefill(runner, [prompt, prompt, other], tables)
+    start = len(prompt)
+    alone = torch.cat([decode(runner, [t], [start + j], [tables[0]]) for j, t in enumerate(cont)])
+    rows = [SeqInput(cont, start, tables[1], True, num_samples=len(cont)),
+            SeqInput([7], len(other), tables[2], True)]  # fmt: skip
+    verified = runner.step(rows).float().cpu()[: len(cont)]
+    ps = runner.page_size
+    kv = 0.0
+    for cache in runner.kv.layers:
+        for pos in range(start, start + len(cont)):
+            a = cache[tables[0][pos // ps], :, pos % ps].float()
+            b = cache[tables[1][pos // ps], :, pos % ps].float()
+            kv = max(kv, (a - b).abs().max().item())
+    return {"logits_max_abs_diff": (verified - alone).abs().max().item(), "kv_max_abs_diff": kv}

@@ -244,3 +244,12 @@ def test_fed_tokens_equal_host_tokens(llama):
             assert steps.rel_error(out, host) <= BF16_REL_TOL
         fed = out.argmax(-1).cuda()
         tokens = host.argmax(-1).tolist()
+
+
+def test_verification_rows_equal_one_row_steps_bit_for_bit(llama, report):
+    """As tests/gpu/test_smollm2_arch.py checks it, at head_dim 128 and wider weights."""
+    _, spec, tensors, _, _ = llama
+    runner = models.cuda_runner(spec, tensors, TPGroup(), exact_verify_max_bucket=32)
+    diff = steps.verification_vs_one_row_steps(runner, spec.vocab_size, seed=44)
+    report("verification_vs_one_row_steps", **diff)
+    assert diff == {"logits_max_abs_diff": 0.0, "kv_max_abs_diff": 0.0}

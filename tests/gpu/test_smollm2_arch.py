@@ -85,3 +85,14 @@ def test_few_rows_with_fused_norms_match_separate_kernels(smollm2, monkeypatch, 
     worst = max(worst, steps.rel_error(verified[1], verified[0]))
     report("smollm2_arch_fused_few_rows_vs_separate", rel_err=worst)
     assert worst <= DEEP_BF16_REL_TOL
+
+
+def test_verification_rows_equal_one_row_steps_bit_for_bit(smollm2, report):
+    """The exact verification graph (runtime/cuda_runner.py): speculation's greedy output is
+    the output without it because a verification row's logits and KV are the one-row steps'
+    to the bit."""
+    _, spec, tensors, _ = smollm2
+    runner = models.cuda_runner(spec, tensors, TPGroup(), exact_verify_max_bucket=32)
+    diff = steps.verification_vs_one_row_steps(runner, spec.vocab_size, seed=43)
+    report("smollm2_arch_verification_vs_one_row_steps", **diff)
+    assert diff == {"logits_max_abs_diff": 0.0, "kv_max_abs_diff": 0.0}
