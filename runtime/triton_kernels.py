@@ -620,7 +620,10 @@ def _gemv_rows_kernel(
     # M > 1 activation rows (verification rows that must equal one-row steps bit for bit):
     # each weight block, read once, multiplies every row in turn, each row prepared by the
     # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
-    # so a row's result is the one it gets alone; its preparation is redone per block.
+    # so a row's result is the one it gets alone; its preparation is redone per block. The
+    # rows' loop is not unrolled: unrolled, the 8B's shapes spilled registers at 5 rows (sm90
+    # cubins compiled on the CPU; rolled, 39-48 registers for SmolLM2's shapes, 159-170 for
+    # the 8B's, no spills), and a row's SASS holds the one row's floating-point instructions.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -658,7 +661,7 @@ def _gemv_rows_kernel(
                 BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
             )  # fmt: skip
         else:
-            for m in tl.static_range(M):
+            for m in range(M):
                 xm = _gemv_input(
                     x_ptr + m * x_stride, res_ptr + m * K, norm_w_ptr, res_out_ptr + m * K,
                     cols, col_ok, eps, blk == 0, dtype, K, NORM, ADD_RESIDUAL, SILU_MUL,

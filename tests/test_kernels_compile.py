@@ -1,0 +1,138 @@
+"""Orbit's Triton GEMV and fused decode attention compiled for Hopper (sm90) on the CPU, with
+the compiler Triton ships (no GPU needed to compile): every variant the runner captures must
+compile, and the GEMV must not spill registers to local memory (a spilled variant is correct but
+slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the kernels compute;
+these check that the compiled form exists and fits, which the interpreter cannot.
+
+The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) once
+unrolled its loop over the rows and spilled at 5 rows of the 8B's down projection (664 bytes of
+stack); rolled, it needs about as many registers as one row."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from runtime import triton_kernels
+
+HOPPER = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int):
+    """fn compiled for sm90: `types` names every runtime parameter's type, the rest are the
+    constexprs, in the kernel's own parameter order."""
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: types.get(n, "constexpr") for n in names}
+    assert set(signature) - set(types) == set(constexprs), "name every parameter"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Triton 3.9's notice about its FP-fusion default
+        return triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            target=HOPPER,
+            options={"num_warps": num_warps},
+        )
+
+
+def resources(kernel, tmp_path: Path) -> dict[str, int]:
+    """REG, STACK and LOCAL of the compiled kernel (cuobjdump --dump-resource-usage)."""
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    out = subprocess.run(
+        [str(CUOBJDUMP), "--dump-resource-usage", str(cubin)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|LOCAL):(\d+)", out)}
+
+
+GEMV_TYPES = {
+    **{p: "*bf16" for p in ("x_ptr", "res_ptr", "norm_w_ptr", "res_out_ptr", "w_ptr", "b_ptr")},
+    "y_ptr": "*bf16",
+    "w_scale_ptr": "*bf16",
+    "N": "i32",
+    "eps": "fp32",
+    "x_stride": "i32",
+}
+
+# (K, BLOCK_N, warps, what is fused in) of the products a decode step makes: SmolLM2-135M's
+# qkv, down and LM head, the 8B's qkv and down (cuda_ops._rows_tile's tiles)
+GEMV_SHAPES = {
+    "smollm2_qkv": (576, 2, 8, "norm"),
+    "smollm2_down": (1536, 2, 8, "silu"),
+    "smollm2_lm_head": (576, 2, 8, ""),
+    "8b_qkv": (4096, 2, 8, "norm"),
+    "8b_down": (14336, 1, 8, "silu"),
+}
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
+@pytest.mark.parametrize("rows", [1, 17])
+def test_gemv_compiles_for_hopper_without_spills(shape, rows, tmp_path):
+    k, block_n, warps, fused = GEMV_SHAPES[shape]
+    constexprs = {
+        "K": k,
+        "BLOCK_N": block_n,
+        "BLOCK_K": triton.next_power_of_2(k),
+        "NORM": fused == "norm",
+        "ADD_RESIDUAL": fused == "norm",
+        "SILU_MUL": fused == "silu",
+        "HAS_BIAS": False,
+        "PDL": True,
+        "SCALE_COLS": 0,
+        "W_SCALE": 0,
+        "BLOCK_ROWS": 1,
+        "BLOCK_COLS": 1,
+        "M": rows,
+    }
+    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, GEMV_TYPES, constexprs, warps)
+    used = resources(kernel, tmp_path)
+    assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape} at {rows} rows spills: {used}"
+    assert used["REG"] <= 255
+
+
+STRIDES = ["q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"]
+STRIDES += ["cs_stride_t", "page_stride", "kv_stride", "slot_stride"]
+
+
+@pytest.mark.parametrize("store_new", [True, False])
+def test_decode_attention_compiles_for_hopper(store_new):
+    """SmolLM2-135M's heads (9 query heads of 64 over 3 KV heads), as FusedDecodeAttention
+    launches it: with the new token's KV write, and reading only (exact verification rows)."""
+    types = {
+        **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "cache_ptr")},
+        **{p: "*i32" for p in ("indptr_ptr", "indices_ptr", "last_len_ptr", "count_ptr")},
+        **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
+        "out_ptr": "*bf16",
+        **{p: "*fp32" for p in ("part_acc_ptr", "part_ml_ptr")},
+        **{p: "i32" for p in STRIDES},
+        **{p: "fp32" for p in ("scale_log2", "k_scale", "v_scale")},
+    }
+    constexprs = {
+        "NUM_KV_HEADS": 3,
+        "GROUP": 3,
+        "BLOCK_G": 16,
+        "HALF": 32,
+        "BLOCK_H": 32,
+        "PAGE_SIZE": 16,
+        "SPLITS": 32,
+        "BLOCK_T": 64,
+        "MIN_CHUNK": 128,
+        "KV_FP8": False,
+        "PDL": True,
+        "STORE_NEW": store_new,
+    }
+    kernel = compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
+    assert kernel.asm["cubin"]
