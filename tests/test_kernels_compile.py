@@ -1,7 +1,7 @@
-"""Orbit's Triton GEMV and fused decode attention compiled for Hopper (sm90) on the CPU, with
-the compiler Triton ships (no GPU needed to compile): every variant the runner captures must
-compile, and the GEMV must not spill registers to local memory (a spilled variant is correct but
-slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the kernels compute;
+"""Orbit's Triton GEMV, few-rows product and fused decode attention compiled for Hopper (sm90)
+on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
+captures must compile, and the GEMV must not spill registers to local memory (a spilled variant
+is correct but slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the kernels compute;
 these check that the compiled form exists and fits, which the interpreter cannot.
 
 The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) once
@@ -29,18 +29,18 @@ HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int):
+def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages=3):
     """fn compiled for sm90: `types` names every runtime parameter's type, the rest are the
     constexprs, in the kernel's own parameter order."""
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: types.get(n, "constexpr") for n in names}
-    assert set(signature) - set(types) == set(constexprs), "name every parameter"
+    assert {n for n, t in signature.items() if t == "constexpr"} == set(constexprs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton 3.9's notice about its FP-fusion default
         return triton.compile(
             ASTSource(fn=fn, signature=signature, constexprs=constexprs),
             target=HOPPER,
-            options={"num_warps": num_warps},
+            options={"num_warps": num_warps, "num_stages": num_stages},
         )
 
 
@@ -101,6 +101,48 @@ def test_gemv_compiles_for_hopper_without_spills(shape, rows, tmp_path):
     used = resources(kernel, tmp_path)
     assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape} at {rows} rows spills: {used}"
     assert used["REG"] <= 255
+
+
+# (N, K, rows, what is fused in, fp8) of few-rows products: SmolLM2-135M's qkv and down with
+# the norm and the SiLU-mul inside (cuda_ops.FUSE_FEW_ROWS) and launched early, the 8B's qkv
+# and down plain, and in FP8 (per-row scales)
+FEW_ROWS_CASES = {
+    "smollm2_qkv_norm": (960, 576, 17, "norm", False),
+    "smollm2_down_silu": (576, 1536, 8, "silu", False),
+    "8b_qkv": (6144, 4096, 24, "", False),
+    "8b_down": (4096, 14336, 4, "", False),
+    "8b_qkv_fp8": (6144, 4096, 32, "", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FEW_ROWS_CASES))
+def test_few_rows_kernel_compiles_for_hopper(case):
+    from runtime import cuda_ops
+
+    n, k, rows, fused, fp8 = FEW_ROWS_CASES[case]
+    block_n, block_k, stages, warps = (64, 256, 4, 4) if fp8 else cuda_ops._few_tile(n, k, rows)
+    half = "*fp8e4nv" if fp8 else "*bf16"
+    types = {
+        **{p: half for p in ("w_ptr", "x_ptr")},
+        **{p: "*fp32" for p in ("xs_ptr", "ws_ptr")},
+        **{p: "*bf16" for p in ("b_ptr", "y_ptr", "res_ptr", "norm_w_ptr", "res_out_ptr")},
+        **{p: "i32" for p in ("M", "N", "x_stride")},
+        "eps": "fp32",
+    }
+    constexprs = {
+        "K": k,
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "ROWS": max(16, triton.next_power_of_2(rows)),
+        "SCALED": fp8,
+        "HAS_BIAS": False,
+        "PDL": fused != "",
+        "NORM": fused == "norm",
+        "ADD_RESIDUAL": fused == "norm",
+        "SILU_MUL": fused == "silu",
+    }
+    kernel = compile_sm90(triton_kernels._few_rows_kernel, types, constexprs, warps, stages)
+    assert kernel.asm["cubin"]
 
 
 STRIDES = ["q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"]
