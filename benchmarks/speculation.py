@@ -493,6 +493,9 @@ def verify_part(args) -> dict:
 
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
+    from runtime import cuda_ops
+
+    cuda_ops.EXACT_ROWS_UNROLL = args.exact_rows_unroll
 
     spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
@@ -551,6 +554,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="verify: the runner's option; 32 replays verification rows of up to 32 one-token "
         "rows from the exact graphs (one-row kernels), 0 through FlashInfer's decode graph",
+    )
+    p.add_argument(
+        "--exact-rows-unroll",
+        type=int,
+        default=1,
+        help="verify: cuda_ops.EXACT_ROWS_UNROLL, the exact GEMV's unrolling of its rows",
     )
     p.add_argument("--out", type=Path, help="write DIR/speculation_PART.json")
     args = p.parse_args(argv)

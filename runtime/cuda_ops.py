@@ -84,6 +84,13 @@ def one_row(x: torch.Tensor) -> bool:
 _exact_rows = False
 
 
+# How many times the GEMV unrolls its loop over those rows: 1 keeps every shape's registers
+# near one row's (the 8B's spilled unrolled); SmolLM2's shapes fit unrolled wholly at 17 rows
+# (tests/test_kernels_compile.py). Which is faster is for a GPU to say
+# (benchmarks.speculation verify --exact-rows-unroll).
+EXACT_ROWS_UNROLL = 1
+
+
 @contextlib.contextmanager
 def exact_rows():
     """Within: the products of a few rows run as one-row products, row by row (one_row)."""
@@ -219,7 +226,14 @@ def linear(
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     triton_kernels.gemv_rows(
-        x, w, bias, out, _rows_tile(*w.shape, scale is not None), w_scale=scale, w_block=block
+        x,
+        w,
+        bias,
+        out,
+        _rows_tile(*w.shape, scale is not None),
+        w_scale=scale,
+        w_block=block,
+        unroll=EXACT_ROWS_UNROLL,
     )
     return out
 
@@ -248,6 +262,7 @@ def silu_and_mul_linear(
         silu_mul=True,
         w_scale=scale,
         w_block=block,
+        unroll=EXACT_ROWS_UNROLL,
     )
     return out
 
@@ -353,5 +368,6 @@ def norm_linear(
         residual_out=stream,
         w_scale=scale,
         w_block=block,
+        unroll=EXACT_ROWS_UNROLL,
     )
     return out, (x if stream is None else stream)

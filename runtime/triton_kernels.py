@@ -609,6 +609,7 @@ def _gemv_rows_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     M: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):
     # W_SCALE: 0 a dense w; 1 float8 w with one scale per row; 2 float8 w with one scale per
     # (BLOCK_ROWS x BLOCK_COLS) block, SCALE_COLS blocks a row. The scales multiply the dot
@@ -621,9 +622,10 @@ def _gemv_rows_kernel(
     # each weight block, read once, multiplies every row in turn, each row prepared by the
     # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
     # so a row's result is the one it gets alone; its preparation is redone per block. The
-    # rows' loop is not unrolled: unrolled, the 8B's shapes spilled registers at 5 rows (sm90
-    # cubins compiled on the CPU; rolled, 39-48 registers for SmolLM2's shapes, 159-170 for
-    # the 8B's, no spills), and a row's SASS holds the one row's floating-point instructions.
+    # rows' loop is unrolled UNROLL times: wholly, the 8B's shapes spilled registers at 5 rows
+    # (sm90 cubins compiled on the CPU; rolled, 39-48 registers for SmolLM2's shapes, 159-170
+    # for the 8B's, no spills; SmolLM2's unrolled at 17 rows, 77-123, no spills), and a
+    # row's SASS holds the one row's floating-point instructions.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -661,7 +663,7 @@ def _gemv_rows_kernel(
                 BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
             )  # fmt: skip
         else:
-            for m in range(M):
+            for m in tl.range(M, loop_unroll_factor=UNROLL):
                 xm = _gemv_input(
                     x_ptr + m * x_stride, res_ptr + m * K, norm_w_ptr, res_out_ptr + m * K,
                     cols, col_ok, eps, blk == 0, dtype, K, NORM, ADD_RESIDUAL, SILU_MUL,
@@ -686,12 +688,14 @@ def gemv_rows(
     residual_out=None,
     w_scale=None,
     w_block=None,
+    unroll: int = 1,
 ) -> None:
     """The persistent GEMV: out [M, N] = a [M, K] @ w [N, K]^T (+ bias), where a is x,
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
     (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
-    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8
+    computed exactly as alone, their loop unrolled `unroll` times. x, residual, residual_out,
+    out contiguous. w_scale: a float8
     w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block of w_block =
     (rows, cols), both powers of 2."""
     n, k = w.shape
@@ -728,6 +732,7 @@ def gemv_rows(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         M=m,
+        UNROLL=min(unroll, m),
         NORM=norm_weight is not None,
         ADD_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,
