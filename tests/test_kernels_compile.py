@@ -184,3 +184,28 @@ def test_decode_attention_compiles_for_hopper(store_new):
     }
     kernel = compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
     assert kernel.asm["cubin"]
+
+
+def test_rope_kv_write_and_small_kernels_compile_for_hopper():
+    """RoPE with the KV write (bf16 and FP8 pages), SiLU-mul and the per-token FP8
+    quantization, at SmolLM2-135M's and the 8B's sizes."""
+    rope_types = {
+        **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_ptr", "sin_ptr")},
+        **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
+        **{p: "i32" for p in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
+        **{p: "i32" for p in ("v_stride_t", "v_stride_h", "cs_stride_t", "page_stride")},
+        **{p: "i32" for p in ("kv_stride", "slot_stride")},
+        **{p: "fp32" for p in ("k_inv", "v_inv")},
+    }
+    for half, fp8 in ((32, False), (64, False), (64, True)):
+        types = {**rope_types, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+        constexprs = {"NUM_Q_HEADS": 9, "HALF": half, "BLOCK": half, "KV_FP8": fp8, "PDL": True}
+        assert compile_sm90(triton_kernels._rope_store_kv_kernel, types, constexprs, 4).asm["cubin"]
+    silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32", "x_stride_t": "i32"}
+    constexprs = {"BLOCK": 1024, "PDL": True}
+    assert compile_sm90(triton_kernels._silu_mul_kernel, silu, constexprs, 4).asm["cubin"]
+    quant = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "s_ptr": "*fp32", "K": "i32"}
+    for group in (128, 4096):
+        constexprs = {"GROUP": group, "BLOCK": group}
+        kernel = compile_sm90(triton_kernels._quantize_rows_kernel, quant, constexprs, 4)
+        assert kernel.asm["cubin"]
