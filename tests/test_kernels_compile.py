@@ -66,27 +66,40 @@ GEMV_TYPES = {
     "x_stride": "i32",
 }
 
-# (K, BLOCK_N, warps, what is fused in) of the products a decode step makes: SmolLM2-135M's
-# qkv, down and LM head, the 8B's qkv and down (cuda_ops._rows_tile's tiles)
+# (K, BLOCK_N, warps, what is fused in, FP8 scales: 0 none, 1 per row, 2 per 128 x 128 block)
+# of the products a decode step makes: SmolLM2-135M's qkv, down and LM head, the 8B's qkv and
+# down, in bf16 and FP8 (cuda_ops._rows_tile's tiles)
 GEMV_SHAPES = {
-    "smollm2_qkv": (576, 2, 8, "norm"),
-    "smollm2_down": (1536, 2, 8, "silu"),
-    "smollm2_lm_head": (576, 2, 8, ""),
-    "8b_qkv": (4096, 2, 8, "norm"),
-    "8b_down": (14336, 1, 8, "silu"),
+    "smollm2_qkv": (576, 2, 8, "norm", 0),
+    "smollm2_down": (1536, 2, 8, "silu", 0),
+    "smollm2_lm_head": (576, 2, 8, "", 0),
+    "8b_qkv": (4096, 2, 8, "norm", 0),
+    "8b_down": (14336, 1, 8, "silu", 0),
+    "8b_qkv_fp8_rows": (4096, 2, 4, "norm", 1),
+    "8b_down_fp8_blocks": (14336, 2, 16, "silu", 2),
 }
 
 
 # one row; 17 rows rolled (cuda_ops.EXACT_ROWS_UNROLL's default) for every shape, and wholly
-# unrolled for SmolLM2's (the 8B's spill so: the reason the default is rolled)
-GEMV_CASES = [(shape, rows, 1) for shape in sorted(GEMV_SHAPES) for rows in (1, 17)]
+# unrolled for SmolLM2's (the 8B's spill so: the reason the default is rolled). The FP8 down
+# projection with 128 x 128 block scales spills at _rows_tile's FP8 tile for long rows, 2 rows
+# a block of 16 warps (128 registers, the most 512 threads get, and 336 bytes of stack), one
+# row or several: a known cost until a GPU times a spill-free tile (1 row a block: 128 or 255
+# registers, no stack; benchmarks/NOTES-gpu.md); strict, so that fixing it says so here.
+SPILLS_AT_RULE = pytest.mark.xfail(strict=True, reason="FP8 block-scaled down spills")
+GEMV_CASES = [
+    pytest.param(shape, rows, 1, marks=[SPILLS_AT_RULE] if shape == "8b_down_fp8_blocks" else [])
+    for shape in sorted(GEMV_SHAPES)
+    for rows in (1, 17)
+]
 GEMV_CASES += [(shape, 17, 17) for shape in sorted(GEMV_SHAPES) if shape.startswith("smollm2")]
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
 @pytest.mark.parametrize("shape, rows, unroll", GEMV_CASES)
 def test_gemv_compiles_for_hopper_without_spills(shape, rows, unroll, tmp_path):
-    k, block_n, warps, fused = GEMV_SHAPES[shape]
+    k, block_n, warps, fused, scales = GEMV_SHAPES[shape]
+    block = 128 if scales == 2 else 1
     constexprs = {
         "K": k,
         "BLOCK_N": block_n,
@@ -96,14 +109,17 @@ def test_gemv_compiles_for_hopper_without_spills(shape, rows, unroll, tmp_path):
         "SILU_MUL": fused == "silu",
         "HAS_BIAS": False,
         "PDL": True,
-        "SCALE_COLS": 0,
-        "W_SCALE": 0,
-        "BLOCK_ROWS": 1,
-        "BLOCK_COLS": 1,
+        "SCALE_COLS": triton.cdiv(k, 128) if scales == 2 else 0,
+        "W_SCALE": scales,
+        "BLOCK_ROWS": block,
+        "BLOCK_COLS": block,
         "M": rows,
         "UNROLL": unroll,
     }
-    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, GEMV_TYPES, constexprs, warps)
+    types = dict(GEMV_TYPES)
+    if scales:
+        types.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
+    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps)
     used = resources(kernel, tmp_path)
     assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape}, {rows} rows x{unroll}: {used}"
     assert used["REG"] <= 255
