@@ -695,9 +695,8 @@ def gemv_rows(
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
     (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
     computed exactly as alone, their loop unrolled `unroll` times. x, residual, residual_out,
-    out contiguous. w_scale: a float8
-    w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block of w_block =
-    (rows, cols), both powers of 2."""
+    out contiguous. w_scale: a float8 w's scales, [N] per row or [ceil(N / rows), ceil(K /
+    cols)] per block of w_block = (rows, cols), both powers of 2."""
     n, k = w.shape
     m = x.shape[0]
     block_n, warps, per_sm = tile
