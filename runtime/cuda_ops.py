@@ -85,9 +85,9 @@ _exact_rows = False
 
 
 # How many times the GEMV unrolls its loop over those rows: 1 keeps every shape's registers
-# near one row's (the 8B's spilled unrolled); SmolLM2's shapes fit unrolled wholly at 17 rows
-# (tests/test_kernels_compile.py). Which is faster is for a GPU to say
-# (benchmarks.speculation verify --exact-rows-unroll).
+# near one row's; wholly unrolled at 17 rows the 8B's down projection spills (272 bytes a
+# thread) and SmolLM2's qkv a little (8), the rest fit. Which is faster on SmolLM2 is for a
+# GPU to say (benchmarks.speculation verify --exact-rows-unroll).
 EXACT_ROWS_UNROLL = 1
 
 

@@ -622,10 +622,11 @@ def _gemv_rows_kernel(
     # each weight block, read once, multiplies every row in turn, each row prepared by the
     # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
     # so a row's result is the one it gets alone; its preparation is redone per block. The
-    # rows' loop is unrolled UNROLL times: wholly, the 8B's shapes spilled registers at 5 rows
-    # (sm90 cubins compiled on the CPU; rolled, 39-48 registers for SmolLM2's shapes, 159-170
-    # for the 8B's, no spills; SmolLM2's unrolled at 17 rows, 77-123, no spills), and a
-    # row's SASS holds the one row's floating-point instructions.
+    # rows' loop is unrolled UNROLL times (sm90 cubins compiled on the CPU, pointers aligned
+    # as launches specialise them: rolled, 47-48 registers on SmolLM2's shapes and 102-156
+    # on the 8B's, bf16 and FP8, no spills; wholly unrolled at 17 rows, the 8B's down spills
+    # 272 bytes and SmolLM2's qkv 8), and a row's SASS holds the one row's 72 floating-point
+    # instructions.
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)

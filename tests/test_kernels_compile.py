@@ -1,12 +1,13 @@
 """Orbit's Triton GEMV, few-rows product and fused decode attention compiled for Hopper (sm90)
 on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
 captures must compile, and the GEMV must not spill registers to local memory (a spilled variant
-is correct but slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the kernels compute;
-these check that the compiled form exists and fits, which the interpreter cannot.
+is correct but slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the
+kernels compute; these check that the compiled form exists and fits, which the interpreter
+cannot.
 
-The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) once
-unrolled its loop over the rows and spilled at 5 rows of the 8B's down projection (664 bytes of
-stack); rolled, it needs about as many registers as one row."""
+The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) keeps
+its loop over the rows rolled by default: wholly unrolled at 17 rows, the 8B's down projection
+spills 272 bytes of stack a thread; rolled, no shape spills."""
 
 from __future__ import annotations
 
@@ -31,14 +32,18 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages=3):
     """fn compiled for sm90: `types` names every runtime parameter's type, the rest are the
-    constexprs, in the kernel's own parameter order."""
+    constexprs, in the kernel's own parameter order. As a launch specialises them: every
+    pointer 16-byte aligned (fresh allocations are), every integer a multiple of 16 (the
+    shapes and strides here are)."""
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: types.get(n, "constexpr") for n in names}
     assert {n for n, t in signature.items() if t == "constexpr"} == set(constexprs)
+    aligned = [n for n, t in signature.items() if t.startswith(("*", "i"))]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton 3.9's notice about its FP-fusion default
         return triton.compile(
-            ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
             target=HOPPER,
             options={"num_warps": num_warps, "num_stages": num_stages},
         )
@@ -80,19 +85,8 @@ GEMV_SHAPES = {
 }
 
 
-# one row; 17 rows rolled (cuda_ops.EXACT_ROWS_UNROLL's default) for every shape, and wholly
-# unrolled for SmolLM2's (the 8B's spill so: the reason the default is rolled). The FP8 down
-# projection with 128 x 128 block scales spills at _rows_tile's FP8 tile for long rows, 2 rows
-# a block of 16 warps (128 registers, the most 512 threads get, and 336 bytes of stack), one
-# row or several: a known cost until a GPU times a spill-free tile (1 row a block: 128 or 255
-# registers, no stack; benchmarks/NOTES-gpu.md); strict, so that fixing it says so here.
-SPILLS_AT_RULE = pytest.mark.xfail(strict=True, reason="FP8 block-scaled down spills")
-GEMV_CASES = [
-    pytest.param(shape, rows, 1, marks=[SPILLS_AT_RULE] if shape == "8b_down_fp8_blocks" else [])
-    for shape in sorted(GEMV_SHAPES)
-    for rows in (1, 17)
-]
-GEMV_CASES += [(shape, 17, 17) for shape in sorted(GEMV_SHAPES) if shape.startswith("smollm2")]
+# one row, and 17 rows through the rolled loop (cuda_ops.EXACT_ROWS_UNROLL's default)
+GEMV_CASES = [(shape, rows, 1) for shape in sorted(GEMV_SHAPES) for rows in (1, 17)]
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
