@@ -85,9 +85,10 @@ _exact_rows = False
 
 
 # How many times the GEMV unrolls its loop over those rows: 1 keeps every shape's registers
-# near one row's; wholly unrolled at 17 rows the 8B's down projection spills (272 bytes a
-# thread) and SmolLM2's qkv a little (8), the rest fit. Which is faster on SmolLM2 is for a
-# GPU to say (benchmarks.speculation verify --exact-rows-unroll).
+# near one row's and every row's dataflow the one row's (tests/test_kernels_compile.py);
+# wholly unrolled at 17 rows the 8B's down projection spills (272 bytes a thread), SmolLM2's
+# qkv a little (8), and the 8B's qkv no longer has the one-row dataflow. Whether unrolling is
+# faster on SmolLM2 is for a GPU to say (benchmarks.speculation verify --exact-rows-unroll).
 EXACT_ROWS_UNROLL = 1
 
 

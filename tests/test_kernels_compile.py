@@ -1,7 +1,8 @@
 """Orbit's Triton GEMV, few-rows product and fused decode attention compiled for Hopper (sm90)
 on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
-captures must compile, and the GEMV must not spill registers to local memory (a spilled variant
-is correct but slow). The interpreter tests (tests/test_interpreted_kernels.py) check what the
+captures must compile, the GEMV must not spill registers to local memory (a spilled variant
+is correct but slow), and the GEMV of several rows must compute each row by the one-row
+GEMV's dataflow (tests/ptx_dataflow.py). The interpreter tests (tests/test_interpreted_kernels.py) check what the
 kernels compute; these check that the compiled form exists and fits, which the interpreter
 cannot.
 
@@ -117,6 +118,46 @@ def test_gemv_compiles_for_hopper_without_spills(shape, rows, unroll, tmp_path):
     used = resources(kernel, tmp_path)
     assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape}, {rows} rows x{unroll}: {used}"
     assert used["REG"] <= 255
+
+
+def _gemv_ptx(shape: str, rows: int, warps: int | None = None) -> str:
+    k, block_n, tile_warps, fused, scales = GEMV_SHAPES[shape]
+    block = 128 if scales == 2 else 1
+    constexprs = {
+        "K": k,
+        "BLOCK_N": block_n,
+        "BLOCK_K": triton.next_power_of_2(k),
+        "NORM": fused == "norm",
+        "ADD_RESIDUAL": fused == "norm",
+        "SILU_MUL": fused == "silu",
+        "HAS_BIAS": False,
+        "PDL": True,
+        "SCALE_COLS": triton.cdiv(k, 128) if scales == 2 else 0,
+        "W_SCALE": scales,
+        "BLOCK_ROWS": block,
+        "BLOCK_COLS": block,
+        "M": rows,
+        "UNROLL": 1,
+    }
+    types = dict(GEMV_TYPES)
+    if scales:
+        types.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
+    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps or tile_warps)
+    return kernel.asm["ptx"]
+
+
+@pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
+def test_exact_rows_gemv_computes_each_row_as_the_one_row_gemv(shape):
+    """The verification rows' bit-for-bit promise (cuda_ops.exact_rows) at the compiled level:
+    every value the 17-row GEMV stores is computed by the same tree of floating-point
+    operations, shuffles and shared-memory exchanges as a value of the one-row GEMV
+    (tests/ptx_dataflow.py), and the check is not blind: the one-row GEMV at half its warps,
+    which sums in another order, differs."""
+    from tests.ptx_dataflow import stored_values
+
+    one_row = stored_values(_gemv_ptx(shape, 1))
+    assert stored_values(_gemv_ptx(shape, 17)) == one_row
+    assert stored_values(_gemv_ptx(shape, 1, warps=GEMV_SHAPES[shape][2] // 2)) != one_row
 
 
 # (N, K, rows, what is fused in, fp8) of few-rows products: SmolLM2-135M's qkv and down with
