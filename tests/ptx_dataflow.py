@@ -64,9 +64,16 @@ def _defined(opcode: str, ops: list[str]) -> list[str]:
     return _REG.findall(ops[0])
 
 
-def stored_values(ptx: str) -> Counter:
-    """The hashes of the values the kernel's global stores write (a multiset)."""
+def stored_values(ptx: str, names: list[str] | None = None, into: str | None = None) -> Counter:
+    """The hashes of the values the kernel's global stores write (a multiset); with `into`,
+    only of those stored through that pointer parameter. `names`: the kernel's parameter
+    names in order, so that loads are named alike across kernels (else by position)."""
     pointers = set(re.findall(r"\.param \.u64 \.ptr[\w .]*?(\w+_param_\d+)", ptx))
+    if names:
+        rename = {p: names[int(p.rsplit("_", 1)[1])] for p in pointers}
+        for p in sorted(pointers, key=lambda p: -int(p.rsplit("_", 1)[1])):
+            ptx = ptx.replace(p, rename[p])
+        pointers = set(rename.values())
     code = _instructions(ptx)
     defs: dict[str, list[int]] = {}
     for i, (opcode, ops) in enumerate(code):
@@ -160,7 +167,10 @@ def stored_values(ptx: str) -> Counter:
 
     stores: Counter = Counter()
     for i, (opcode, ops) in enumerate(code):
-        if opcode.startswith("st.global"):
-            for reg in _REG.findall(ops[1]):
-                stores[value(reg, i)] += 1
+        if not opcode.startswith("st.global"):
+            continue
+        if into is not None and into not in origin(_REG.findall(ops[0])[0], i):
+            continue
+        for reg in _REG.findall(ops[1]):
+            stores[value(reg, i)] += 1
     return stores

@@ -206,19 +206,30 @@ STRIDES = ["q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t",
 STRIDES += ["cs_stride_t", "page_stride", "kv_stride", "slot_stride"]
 
 
-@pytest.mark.parametrize("store_new", [True, False])
-def test_decode_attention_compiles_for_hopper(store_new):
-    """SmolLM2-135M's heads (9 query heads of 64 over 3 KV heads), as FusedDecodeAttention
-    launches it: with the new token's KV write, and reading only (exact verification rows)."""
-    types = {
-        **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "cache_ptr")},
-        **{p: "*i32" for p in ("indptr_ptr", "indices_ptr", "last_len_ptr", "count_ptr")},
-        **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
-        "out_ptr": "*bf16",
-        **{p: "*fp32" for p in ("part_acc_ptr", "part_ml_ptr")},
-        **{p: "i32" for p in STRIDES},
-        **{p: "fp32" for p in ("scale_log2", "k_scale", "v_scale")},
-    }
+ATTENTION_TYPES = {
+    **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "cos_ptr", "sin_ptr", "cache_ptr")},
+    **{p: "*i32" for p in ("indptr_ptr", "indices_ptr", "last_len_ptr", "count_ptr")},
+    **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
+    "out_ptr": "*bf16",
+    **{p: "*fp32" for p in ("part_acc_ptr", "part_ml_ptr")},
+    **{p: "i32" for p in STRIDES},
+    **{p: "fp32" for p in ("scale_log2", "k_scale", "v_scale")},
+}
+
+ROPE_TYPES = {
+    **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_ptr", "sin_ptr")},
+    "cache_ptr": "*bf16",
+    **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
+    **{p: "i32" for p in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
+    **{p: "i32" for p in ("v_stride_t", "v_stride_h", "cs_stride_t", "page_stride")},
+    **{p: "i32" for p in ("kv_stride", "slot_stride")},
+    **{p: "fp32" for p in ("k_inv", "v_inv")},
+}
+
+
+def _decode_attention(store_new: bool):
+    """SmolLM2-135M's heads (9 query heads of 64 over 3 KV heads) as FusedDecodeAttention
+    launches the kernel for one row: 32 splits."""
     constexprs = {
         "NUM_KV_HEADS": 3,
         "GROUP": 3,
@@ -233,23 +244,45 @@ def test_decode_attention_compiles_for_hopper(store_new):
         "PDL": True,
         "STORE_NEW": store_new,
     }
-    kernel = compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
-    assert kernel.asm["cubin"]
+    return compile_sm90(triton_kernels._decode_attention_kernel, ATTENTION_TYPES, constexprs, 8)
+
+
+def _names(fn) -> list[str]:
+    return list(inspect.signature(fn.fn).parameters)
+
+
+@pytest.mark.parametrize("store_new", [True, False])
+def test_decode_attention_compiles_for_hopper(store_new):
+    """With the new token's KV write, and reading only (exact verification rows)."""
+    assert _decode_attention(store_new).asm["cubin"]
+
+
+def test_exact_rows_attention_writes_and_reads_as_one_row():
+    """The exact verification rows' attention at the compiled level (tests/ptx_dataflow.py):
+    rope_store_kv(kv_only) writes the same k and v trees into the cache as the fused kernel
+    writes for a one-row step, and the fused kernel without its write stores the same
+    output and partial accumulators. (Its partial max and sum differ in form only where the
+    write's branch lets the compiler fold where(last, ...) into 1 * x and max(-inf, x),
+    equal for finite values: not checked here, the GPU test checks the rows bit for bit.)"""
+    from tests.ptx_dataflow import stored_values
+
+    names = _names(triton_kernels._decode_attention_kernel)
+    one_row, exact = (_decode_attention(store).asm["ptx"] for store in (True, False))
+    for tensor in ("out_ptr", "part_acc_ptr"):
+        assert stored_values(exact, names, tensor) == stored_values(one_row, names, tensor)
+    assert not stored_values(exact, names, "cache_ptr")
+    constexprs = {"NUM_Q_HEADS": 0, "HALF": 32, "BLOCK": 32, "KV_FP8": False, "PDL": True}
+    rope = compile_sm90(triton_kernels._rope_store_kv_kernel, ROPE_TYPES, constexprs, 4)
+    rope_names = _names(triton_kernels._rope_store_kv_kernel)
+    written = set(stored_values(rope.asm["ptx"], rope_names, "cache_ptr"))
+    assert written == set(stored_values(one_row, names, "cache_ptr"))
 
 
 def test_rope_kv_write_and_small_kernels_compile_for_hopper():
     """RoPE with the KV write (bf16 and FP8 pages), SiLU-mul and the per-token FP8
     quantization, at SmolLM2-135M's and the 8B's sizes."""
-    rope_types = {
-        **{p: "*bf16" for p in ("q_ptr", "k_ptr", "v_ptr", "q_out_ptr", "cos_ptr", "sin_ptr")},
-        **{p: "*i64" for p in ("pages_ptr", "offsets_ptr")},
-        **{p: "i32" for p in ("q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h")},
-        **{p: "i32" for p in ("v_stride_t", "v_stride_h", "cs_stride_t", "page_stride")},
-        **{p: "i32" for p in ("kv_stride", "slot_stride")},
-        **{p: "fp32" for p in ("k_inv", "v_inv")},
-    }
     for half, fp8 in ((32, False), (64, False), (64, True)):
-        types = {**rope_types, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+        types = {**ROPE_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
         constexprs = {"NUM_Q_HEADS": 9, "HALF": half, "BLOCK": half, "KV_FP8": fp8, "PDL": True}
         assert compile_sm90(triton_kernels._rope_store_kv_kernel, types, constexprs, 4).asm["cubin"]
     silu = {"x_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32", "x_stride_t": "i32"}
