@@ -2,9 +2,9 @@
 on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
 captures must compile, the GEMV must not spill registers to local memory (a spilled variant
 is correct but slow), and the GEMV of several rows must compute each row by the one-row
-GEMV's dataflow (tests/ptx_dataflow.py). The interpreter tests (tests/test_interpreted_kernels.py) check what the
-kernels compute; these check that the compiled form exists and fits, which the interpreter
-cannot.
+GEMV's dataflow (tests/ptx_dataflow.py). The interpreter tests
+(tests/test_interpreted_kernels.py) check what the kernels compute; these check that the
+compiled form exists, fits and keeps the exact rows' promise, which the interpreter cannot.
 
 The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) keeps
 its loop over the rows rolled by default: wholly unrolled at 17 rows, the 8B's down projection
@@ -86,41 +86,9 @@ GEMV_SHAPES = {
 }
 
 
-# one row, and 17 rows through the rolled loop (cuda_ops.EXACT_ROWS_UNROLL's default)
-GEMV_CASES = [(shape, rows, 1) for shape in sorted(GEMV_SHAPES) for rows in (1, 17)]
-
-
-@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
-@pytest.mark.parametrize("shape, rows, unroll", GEMV_CASES)
-def test_gemv_compiles_for_hopper_without_spills(shape, rows, unroll, tmp_path):
-    k, block_n, warps, fused, scales = GEMV_SHAPES[shape]
-    block = 128 if scales == 2 else 1
-    constexprs = {
-        "K": k,
-        "BLOCK_N": block_n,
-        "BLOCK_K": triton.next_power_of_2(k),
-        "NORM": fused == "norm",
-        "ADD_RESIDUAL": fused == "norm",
-        "SILU_MUL": fused == "silu",
-        "HAS_BIAS": False,
-        "PDL": True,
-        "SCALE_COLS": triton.cdiv(k, 128) if scales == 2 else 0,
-        "W_SCALE": scales,
-        "BLOCK_ROWS": block,
-        "BLOCK_COLS": block,
-        "M": rows,
-        "UNROLL": unroll,
-    }
-    types = dict(GEMV_TYPES)
-    if scales:
-        types.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
-    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps)
-    used = resources(kernel, tmp_path)
-    assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape}, {rows} rows x{unroll}: {used}"
-    assert used["REG"] <= 255
-
-
-def _gemv_ptx(shape: str, rows: int, warps: int | None = None) -> str:
+def _gemv(shape: str, rows: int, warps: int | None = None):
+    """The GEMV of GEMV_SHAPES[shape] for `rows` rows (the rows' loop rolled, as
+    cuda_ops.EXACT_ROWS_UNROLL's default), at the tile's warps or `warps`."""
     k, block_n, tile_warps, fused, scales = GEMV_SHAPES[shape]
     block = 128 if scales == 2 else 1
     constexprs = {
@@ -142,8 +110,16 @@ def _gemv_ptx(shape: str, rows: int, warps: int | None = None) -> str:
     types = dict(GEMV_TYPES)
     if scales:
         types.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
-    kernel = compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps or tile_warps)
-    return kernel.asm["ptx"]
+    return compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps or tile_warps)
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
+@pytest.mark.parametrize("rows", [1, 17])
+def test_gemv_compiles_for_hopper_without_spills(shape, rows, tmp_path):
+    used = resources(_gemv(shape, rows), tmp_path)
+    assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape} at {rows} rows spills: {used}"
+    assert used["REG"] <= 255
 
 
 @pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
@@ -155,9 +131,10 @@ def test_exact_rows_gemv_computes_each_row_as_the_one_row_gemv(shape):
     which sums in another order, differs."""
     from tests.ptx_dataflow import stored_values
 
-    one_row = stored_values(_gemv_ptx(shape, 1))
-    assert stored_values(_gemv_ptx(shape, 17)) == one_row
-    assert stored_values(_gemv_ptx(shape, 1, warps=GEMV_SHAPES[shape][2] // 2)) != one_row
+    one_row = stored_values(_gemv(shape, 1).asm["ptx"])
+    assert stored_values(_gemv(shape, 17).asm["ptx"]) == one_row
+    half_warps = _gemv(shape, 1, warps=GEMV_SHAPES[shape][2] // 2)
+    assert stored_values(half_warps.asm["ptx"]) != one_row
 
 
 # (N, K, rows, what is fused in, fp8) of few-rows products: SmolLM2-135M's qkv and down with
