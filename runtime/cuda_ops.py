@@ -223,18 +223,19 @@ def linear(
     runtime/quant.py) one row only: the GEMV applies it."""
     if not one_row(x):
         return many_rows_linear(x, w, bias)
+    return _gemv(x, w, bias, scale, block)
+
+
+def _gemv(x: torch.Tensor, w: torch.Tensor, bias, scale, block, **fused) -> torch.Tensor:
+    """x's rows (or what `fused` makes of them: triton_kernels.gemv_rows) @ w^T (+ bias)
+    through the GEMV at its tile, FP8 scales applied: one row, or inside exact_rows() each
+    row as one."""
     from runtime import triton_kernels
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+    tile = _rows_tile(*w.shape, scale is not None)
     triton_kernels.gemv_rows(
-        x,
-        w,
-        bias,
-        out,
-        _rows_tile(*w.shape, scale is not None),
-        w_scale=scale,
-        w_block=block,
-        unroll=EXACT_ROWS_UNROLL,
+        x, w, bias, out, tile, w_scale=scale, w_block=block, unroll=EXACT_ROWS_UNROLL, **fused
     )
     return out
 
@@ -251,21 +252,7 @@ def silu_and_mul_linear(
         if scale is None and fuses_few_rows(gate_up, w):
             return _few_rows_mm(gate_up, w, None, silu_mul=True)
         return many_rows_linear(silu_and_mul(gate_up), w, None)
-    from runtime import triton_kernels
-
-    out = torch.empty((gate_up.shape[0], w.shape[0]), dtype=gate_up.dtype, device=gate_up.device)
-    triton_kernels.gemv_rows(
-        gate_up,
-        w,
-        None,
-        out,
-        _rows_tile(*w.shape, scale is not None),
-        silu_mul=True,
-        w_scale=scale,
-        w_block=block,
-        unroll=EXACT_ROWS_UNROLL,
-    )
-    return out
+    return _gemv(gate_up, w, None, scale, block, silu_mul=True)
 
 
 def quantize_rows(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,27 +335,10 @@ def norm_linear(
     """(rmsnorm(s) * norm_weight) @ w^T (+ bias) and s = x + residual (s = x when residual is
     None), for the rows fuses_norm accepts, in one kernel: every program of the GEMV (one row)
     or of the few-rows kernel (a dense w) normalises the rows itself."""
-    from runtime import triton_kernels
-
     stream = torch.empty_like(x) if residual is not None else None
-    if not one_row(x):
-        out = _few_rows_mm(
-            x, w, bias, norm_weight=norm_weight, eps=eps, residual=residual, residual_out=stream
-        )
-        return out, (x if stream is None else stream)
-    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-    triton_kernels.gemv_rows(
-        x,
-        w,
-        bias,
-        out,
-        _rows_tile(*w.shape, scale is not None),
-        norm_weight=norm_weight,
-        eps=eps,
-        residual=residual,
-        residual_out=stream,
-        w_scale=scale,
-        w_block=block,
-        unroll=EXACT_ROWS_UNROLL,
-    )
+    fused = {"norm_weight": norm_weight, "eps": eps, "residual": residual, "residual_out": stream}
+    if one_row(x):
+        out = _gemv(x, w, bias, scale, block, **fused)
+    else:
+        out = _few_rows_mm(x, w, bias, **fused)
     return out, (x if stream is None else stream)
