@@ -425,12 +425,13 @@ class CudaGraphRunner:
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
         short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
-        own = (
-            (self._exact, self._exact_graphs) if verification else (self._fused, self._fused_graphs)
-        )
-        if short and bucket in own[0]:
-            self._plan_decode(seqs, bucket, own[0][bucket])
-            own[1][bucket].replay()
+        if verification:
+            attns, graphs = self._exact, self._exact_graphs
+        else:
+            attns, graphs = self._fused, self._fused_graphs
+        if short and bucket in attns:
+            self._plan_decode(seqs, bucket, attns[bucket])
+            graphs[bucket].replay()
         else:
             self._plan_decode(seqs, bucket, self._decode[bucket])
             self._graphs[bucket].replay()
