@@ -31,11 +31,11 @@ exact)
   verify smollm2-flashinfer --shape smollm2
   verify smollm2-exact --shape smollm2 --exact-verify-max-bucket 32
   verify smollm2-exact-unrolled --shape smollm2 --exact-verify-max-bucket 32 --exact-rows-unroll 17
+  ;;
+fuse)  # and the 8B's exact verification (its build and compiles would not fit the first call)
+  cp .ggb/part.ab /tmp/gg/
   verify 8b-flashinfer
   verify 8b-exact --exact-verify-max-bucket 32
-  ;;
-fuse)
-  cp .ggb/part.ab /tmp/gg/
   for fuse in "" --fuse-few-rows; do
     python3 -m benchmarks.decode --shape smollm2 --batches 1,2,4,8,24 --prompts 128 \
       --hf-tokens 0 --out "$OUT/decode${fuse:+-fused}" $fuse 2>&1 | tail -4
