@@ -5,10 +5,11 @@
 # carrying its part of the GGUF (benchmarks/gpu_kit.sh):
 #   carry [".gpu", ".gputok", ".gga", ".whl"]:  bash benchmarks/gpu_calls.sh exact
 #   carry [".ggb"]:                              bash benchmarks/gpu_calls.sh fuse
-#   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy
-# Between the first and the last, set CudaRunnerOptions.exact_verify_max_bucket (and
-# cuda_ops.EXACT_ROWS_UNROLL, cuda_ops.FUSE_FEW_ROWS) as the first two calls decide: the copy
-# run's ranks read the code's defaults.
+#   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy [SWITCH ...]
+# The copy run's ranks read the code's defaults, so the switches the first two calls decide
+# are set in the machine's copy of the tree (no edit here between calls: the machine goes back
+# 30 s after one): exact (CudaRunnerOptions.exact_verify_max_bucket = 32), unroll=N
+# (cuda_ops.EXACT_ROWS_UNROLL = N), fused (cuda_ops.FUSE_FEW_ROWS = True).
 set -uo pipefail
 source .gpu/bootstrap.sh >/dev/null 2>&1
 pip install -q --no-index --no-deps --target /tmp/site-whl .whl/*.whl >/dev/null 2>&1 || true
@@ -42,6 +43,18 @@ fuse)  # and the 8B's exact verification (its build and compiles would not fit t
   done
   ;;
 copy)
+  for switch in "${@:2}"; do
+    case "$switch" in
+    exact) sed -i 's/exact_verify_max_bucket: int = 0$/exact_verify_max_bucket: int = 32/' \
+      runtime/cuda_runner.py ;;
+    unroll=*) sed -i "s/^EXACT_ROWS_UNROLL = 1$/EXACT_ROWS_UNROLL = ${switch#unroll=}/" \
+      runtime/cuda_ops.py ;;
+    fused) sed -i 's/^FUSE_FEW_ROWS = False$/FUSE_FEW_ROWS = True/' runtime/cuda_ops.py ;;
+    *) echo "unknown switch $switch: exact, unroll=N or fused" >&2 && exit 2 ;;
+    esac
+  done
+  grep -n "exact_verify_max_bucket: int\|^EXACT_ROWS_UNROLL\|^FUSE_FEW_ROWS" \
+    runtime/cuda_runner.py runtime/cuda_ops.py
   cp .ggc/part.ac /tmp/gg/
   cat /tmp/gg/part.a? >/tmp/gg/model.gguf
   (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
