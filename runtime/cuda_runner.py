@@ -315,6 +315,7 @@ class CudaGraphRunner:
             self._prefill_graphs[tokens] = self._capture(
                 lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool
             )
+        exact_max = self._exact_max_bucket()
         for bucket in sorted(self.buckets, reverse=True):
             pages, slots = self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket]
             max_pages = self.caps.max_pages_per_seq
@@ -336,7 +337,7 @@ class CudaGraphRunner:
                 )
                 self._fused[bucket] = fused
                 self._fused_graphs[bucket] = self._capture_decode(bucket, fused, pool)
-            if bucket <= self._exact_max_bucket():
+            if bucket <= exact_max:
                 exact = FusedDecodeAttention(
                     self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads, True
                 )

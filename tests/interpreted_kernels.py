@@ -114,6 +114,18 @@ def check_rope_and_silu(worst: dict) -> None:
     note(worst, "silu_mul", cuda_ops.silu_and_mul(gate_up), ref)
 
 
+def _paged(lengths, tables, page):
+    """(indptr, indices, last_len) int32 of rows of these lengths over these page tables."""
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
+    indptr, indices, last_len = [0], [], []
+    for length, table in zip(lengths, tables):
+        used = -(-length // page)
+        indices += table[:used]
+        indptr.append(len(indices))
+        last_len.append(length - (used - 1) * page)
+    return i32(indptr), i32(indices), i32(last_len)
+
+
 def check_decode_attention(worst: dict) -> None:
     """Orbit's fused decode attention (RoPE, the new token's KV write, attention over the
     row's pages, the context split in 1, 2 or 4 parts merged by the last program of a row)
@@ -128,14 +140,8 @@ def check_decode_attention(worst: dict) -> None:
     q, k, v = torch.randn(batch, hq, hd), torch.randn(batch, hkv, hd), torch.randn(batch, hkv, hd)
     angles = torch.randn(batch, hd // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    indptr, indices, last_len, pages, offsets = [0], [], [], [], []
-    for length, table in zip(lengths, tables):
-        used = -(-length // page)
-        indices += table[:used]
-        indptr.append(len(indices))
-        last_len.append(length - (used - 1) * page)
-        pages.append(table[(length - 1) // page])
-        offsets.append((length - 1) % page)
+    pages = [table[(length - 1) // page] for length, table in zip(lengths, tables)]
+    offsets = [(length - 1) % page for length in lengths]
     expected_cache = cache.clone()
     expected_cache[pages, 0, offsets] = apply_rope(k, cos, sin)
     expected_cache[pages, 1, offsets] = v
@@ -147,12 +153,11 @@ def check_decode_attention(worst: dict) -> None:
         for h in range(hq):
             weights = torch.softmax(keys[:, h // (hq // hkv)] @ q_rotated[b, h] * scale, 0)
             expected[b, h] = weights @ values[:, h // (hq // hkv)]
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
     for splits in (1, 2, 4):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
         triton_kernels.decode_attention(
-            q, k, v, cos, sin, got_cache, i32(indptr), i32(indices), i32(last_len),
+            q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
             torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
             block_t=16, min_chunk=16, num_warps=4,
         )  # fmt: skip
@@ -180,18 +185,6 @@ def check_exact_rows(worst: dict) -> None:
     alone = torch.cat([products(x[i : i + 1], residual[i : i + 1], gate_up[i : i + 1])
                        for i in range(m)])  # fmt: skip
     worst["exact_gemv"] = (together - alone).abs().max().item()
-
-
-def _paged(lengths, tables, page):
-    """(indptr, indices, last_len) int32 of rows of these lengths over these page tables."""
-    i32 = lambda x: torch.tensor(x, dtype=torch.int32)
-    indptr, indices, last_len = [0], [], []
-    for length, table in zip(lengths, tables):
-        used = -(-length // page)
-        indices += table[:used]
-        indptr.append(len(indices))
-        last_len.append(length - (used - 1) * page)
-    return i32(indptr), i32(indices), i32(last_len)
 
 
 def check_exact_attention(worst: dict) -> None:

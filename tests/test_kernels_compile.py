@@ -31,12 +31,17 @@ HOPPER = GPUTarget("cuda", 90, 32)
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+def _names(fn) -> list[str]:
+    """A Triton kernel's parameter names, in order."""
+    return list(inspect.signature(fn.fn).parameters)
+
+
 def compile_sm90(fn, types: dict[str, str], constexprs: dict, num_warps: int, num_stages=3):
     """fn compiled for sm90: `types` names every runtime parameter's type, the rest are the
     constexprs, in the kernel's own parameter order. As a launch specialises them: every
     pointer 16-byte aligned (fresh allocations are), every integer a multiple of 16 (the
     shapes and strides here are)."""
-    names = list(inspect.signature(fn.fn).parameters)
+    names = _names(fn)
     signature = {n: types.get(n, "constexpr") for n in names}
     assert {n for n, t in signature.items() if t == "constexpr"} == set(constexprs)
     aligned = [n for n, t in signature.items() if t.startswith(("*", "i"))]
@@ -222,10 +227,6 @@ def _decode_attention(store_new: bool):
         "STORE_NEW": store_new,
     }
     return compile_sm90(triton_kernels._decode_attention_kernel, ATTENTION_TYPES, constexprs, 8)
-
-
-def _names(fn) -> list[str]:
-    return list(inspect.signature(fn.fn).parameters)
 
 
 @pytest.mark.parametrize("store_new", [True, False])
