@@ -33,7 +33,7 @@
   of a step that the GPU does not see.
 
     python3 -m benchmarks.speculation verify [--shape smollm2] --out DIR
-    python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] [--rounds 5] --out DIR
+    python3 -m benchmarks.speculation copy --package PKG --device cuda [--spec-tokens 16 --ngram-min 3] [--rounds 5] [--exact-verification] --out DIR
     python3 -m benchmarks.speculation batch --package PKG --device cuda --users 64 --out DIR
     python3 -m benchmarks.speculation draft --package PKG --draft DRAFT --out DIR
     python3 -m benchmarks.speculation replay --package PKG --device cpu --out DIR
@@ -193,7 +193,7 @@ async def copy_part(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(str(pkg.tokenizer_dir))
     prompts = [chat_ids(tokenizer, t) for t in TASKS]
     report: dict = {"prompt_tokens": [len(p) for p in prompts], "rounds": []}
-    async with local_ranks(pkg, args.device, args.kv_pages) as link:
+    async with local_ranks(pkg, args.device, args.kv_pages, exact=args.exact_verification) as link:
         for _ in range(args.rounds):
             runs = {}
             ngram = SpeculationConfig(
@@ -493,10 +493,6 @@ def verify_part(args) -> dict:
 
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
-    from runtime import cuda_ops
-
-    cuda_ops.EXACT_ROWS_UNROLL = args.exact_rows_unroll
-
     spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
     args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
@@ -556,10 +552,9 @@ def main(argv: list[str] | None = None) -> dict:
         "rows from the exact graphs (one-row kernels), 0 through FlashInfer's decode graph",
     )
     p.add_argument(
-        "--exact-rows-unroll",
-        type=int,
-        default=1,
-        help="verify: cuda_ops.EXACT_ROWS_UNROLL, the exact GEMV's unrolling of its rows",
+        "--exact-verification",
+        action="store_true",
+        help="copy: the ranks' --exact-verification (greedy outputs equal without speculation)",
     )
     p.add_argument("--out", type=Path, help="write DIR/speculation_PART.json")
     args = p.parse_args(argv)

@@ -41,15 +41,17 @@ READY_TIMEOUT_S = 600.0
 
 @contextlib.asynccontextmanager
 async def local_ranks(
-    pkg: Package, device: str, kv_pages: int, draft: Path | None = None
+    pkg: Package, device: str, kv_pages: int, draft: Path | None = None, exact: bool = False
 ) -> AsyncIterator[RankLink]:
     """The package's ranks as child processes, connected and ready; stopped on exit. draft:
-    a package rank 0 drafts with (speculative decoding)."""
+    a package rank 0 drafts with (speculative decoding); exact: --exact-verification."""
     log_dir = Path(tempfile.mkdtemp(prefix="orbit-step-overhead-"))
     keys = create_keys(log_dir / "keys", pkg.tp_size)
     link = RankLink(pkg.tp_size, ServerKeys.load(keys), package_digest=pkg.digest)
     link.start()
-    opts = LocalRankOptions(device=device, kv_pages=kv_pages, draft_package=draft)
+    opts = LocalRankOptions(
+        device=device, kv_pages=kv_pages, draft_package=draft, exact_verification=exact
+    )
     ranks = LocalRanks(pkg.root, pkg.tp_size, link.endpoint, log_dir, opts, keys)
     ranks.start()
     try:

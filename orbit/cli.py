@@ -147,6 +147,16 @@ def _speculation(
         fail(f"--speculate/--spec-tokens/--ngram-min: {e}.")
 
 
+def _check_exact_verification(exact: bool, speculate: str, cluster: Path | None) -> None:
+    if exact and cluster is not None:
+        fail(
+            "--exact-verification is the ranks' setting and orbit up starts them: pass it to "
+            "orbit up, and serve with --speculate alone."
+        )
+    if exact and speculate == "off":
+        fail("--exact-verification is for speculative decoding: pass --speculate ngram or draft.")
+
+
 def _check_draft_path(draft: Path | None) -> None:
     if draft is not None and not (draft / "manifest.pb").is_file():
         fail(f"--draft {draft}: no Orbit package there; prepare one with orbit prepare --tp 1.")
@@ -157,6 +167,11 @@ _KV_DTYPE_HELP = (
     "fp8 (e4m3, half the bytes: twice the pages) or model (the package's dtype)."
 )
 KV_DTYPES = ("auto", "fp8", "model")  # runtime/quant.py's, without importing torch
+_EXACT_VERIFICATION_HELP = (
+    "Speculative decoding on CUDA ranks: verify through one-token kernels, so greedy output "
+    "is the output without speculation bit for bit; a verification then costs several "
+    "one-token steps (docs/performance.md)."
+)
 
 
 def _check_kv_dtype(kv_dtype: str) -> None:
@@ -244,6 +259,7 @@ def serve(
             "3 suits copying long passages)."
         ),
     ] = 2,
+    exact_verification: Annotated[bool, typer.Option(help=_EXACT_VERIFICATION_HELP)] = False,
     threads: Annotated[
         int, typer.Option(help="torch threads per CPU rank; 0: (cores - 1) / ranks, at least 1.")
     ] = 0,
@@ -325,6 +341,7 @@ def serve(
     if stream_interval < 1:
         fail(f"--stream-interval must be 1 or more, not {stream_interval}.")
     speculation = _speculation(speculate, spec_tokens, ngram_min, draft, cluster)
+    _check_exact_verification(exact_verification, speculate, cluster)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)
@@ -372,6 +389,7 @@ def serve(
             threads=threads,
             trusted_keys=tuple(trusted_key or ()),
             draft_package=draft,
+            exact_verification=exact_verification,
         ),
     )
 
@@ -550,6 +568,7 @@ def up(
             "--speculate draft): pushed to rank 0's host, which runs it."
         ),
     ] = None,
+    exact_verification: Annotated[bool, typer.Option(help=_EXACT_VERIFICATION_HELP)] = False,
 ) -> None:
     """Check the hosts (as `orbit doctor`), push the package, start the ranks, wait until all
     are ready."""
@@ -569,6 +588,7 @@ def up(
         join_timeout_s=join_timeout,
         log_level=_rank_log_level(log_level),
         draft_package=draft,
+        exact_verification=exact_verification,
     )
     events = RichUpEvents(err)
     result = _run_cluster(lambda: run_up(cluster_toml, opts, events), live=events)

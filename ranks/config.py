@@ -30,6 +30,10 @@ class RankConfig:
     log_level: str = "warning"  # debug, info, warning or error (orbit serve --log-level)
     # A package rank 0 drafts with (speculative decoding's draft proposer); "": none.
     draft_package: str = ""
+    # CUDA ranks: verification rows of up to 32 tokens computed bit for bit as one-token
+    # steps (runtime/cuda_runner.py, exact graphs), so speculation's greedy output is the
+    # output without it; such a verification costs several one-token steps.
+    exact_verification: bool = False
 
     @classmethod
     def from_argv(cls, argv: list[str] | None = None) -> RankConfig:
@@ -53,6 +57,7 @@ class RankConfig:
             "--log-level", choices=["debug", "info", "warning", "error"], default="warning"
         )
         p.add_argument("--draft-package", default="")
+        p.add_argument("--exact-verification", action="store_true")
         a = p.parse_args(argv)
         return cls(
             package=a.package,
@@ -72,4 +77,5 @@ class RankConfig:
             join_timeout_s=a.join_timeout_s,
             log_level=a.log_level,
             draft_package=a.draft_package,
+            exact_verification=a.exact_verification,
         )

@@ -183,9 +183,7 @@ class Rank:
         if draft is not None:
             draft_page = KVCacheShape.for_spec(draft.spec, 1, 1, caps.kv_page_size)
             shared = draft_page.bytes(draft.dtype)
-        options = CudaRunnerOptions(
-            max_kv_pages=self.cfg.kv_pages, kv_quant=kv_quant, shared_page_bytes=shared
-        )
+        options = cuda_runner_options(self.cfg, kv_quant, shared)
         runner = CudaGraphRunner(model, caps, options)
         num_pages, drafter = runner.kv_plan.num_pages, None
         if draft is not None:
@@ -193,7 +191,7 @@ class Rank:
                 draft_model,
                 draft.capacities,
                 # the draft proposes in one-row steps and never verifies
-                CudaRunnerOptions(max_kv_pages=num_pages, exact_verify_max_bucket=0),
+                CudaRunnerOptions(max_kv_pages=num_pages),
             )
             if draft_runner.kv_plan.num_pages < num_pages:
                 raise ValueError(
@@ -350,6 +348,21 @@ class Rank:
             dist.destroy_process_group()
         self.sock.close(linger=1000)
         self.ctx.term()
+
+
+def cuda_runner_options(cfg: RankConfig, kv_quant, shared_page_bytes: int):
+    """The served model's CudaRunnerOptions from the rank's settings: with exact verification,
+    an exact graph for every decode bucket that a verification step's one-token rows can take
+    through the one-row kernels (cuda_ops.HALF_FEW_ROWS rows at most)."""
+    from runtime import cuda_ops
+    from runtime.cuda_runner import CudaRunnerOptions
+
+    return CudaRunnerOptions(
+        max_kv_pages=cfg.kv_pages,
+        kv_quant=kv_quant,
+        shared_page_bytes=shared_page_bytes,
+        exact_verify_max_bucket=cuda_ops.HALF_FEW_ROWS if cfg.exact_verification else 0,
+    )
 
 
 def _drafter(runner, draft: Package) -> Drafter:

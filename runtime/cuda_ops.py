@@ -84,14 +84,6 @@ def one_row(x: torch.Tensor) -> bool:
 _exact_rows = False
 
 
-# How many times the GEMV unrolls its loop over those rows: 1 keeps every shape's registers
-# near one row's and every row's dataflow the one row's (tests/test_kernels_compile.py);
-# wholly unrolled at 17 rows the 8B's down projection spills (272 bytes a thread), SmolLM2's
-# qkv a little (8), and the 8B's qkv no longer has the one-row dataflow. Whether unrolling is
-# faster on SmolLM2 is for a GPU to say (benchmarks.speculation verify --exact-rows-unroll).
-EXACT_ROWS_UNROLL = 1
-
-
 @contextlib.contextmanager
 def exact_rows():
     """Within: the products of a few rows run as one-row products, row by row (one_row)."""
@@ -234,9 +226,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, bias, scale, block, **fused) -> torc
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     tile = _rows_tile(*w.shape, scale is not None)
-    triton_kernels.gemv_rows(
-        x, w, bias, out, tile, w_scale=scale, w_block=block, unroll=EXACT_ROWS_UNROLL, **fused
-    )
+    triton_kernels.gemv_rows(x, w, bias, out, tile, w_scale=scale, w_block=block, **fused)
     return out
 
 

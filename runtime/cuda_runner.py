@@ -35,7 +35,7 @@ BucketError: it is never run eagerly in silence.
 A step of decode rows and verification rows (speculative decoding: a row of m tokens that
 samples after each) runs as a decode step too, each verification row as m one-token rows of
 its sequence at consecutive positions (its tokens' KV written before any row attends). Up to
-CudaRunnerOptions.exact_verify_max_bucket rows (off by default until timed on a GPU) it
+CudaRunnerOptions.exact_verify_max_bucket rows (ranks started with --exact-verification) it
 replays the bucket's exact graph, captured inside cuda_ops.exact_rows(): every product through
 the one-row GEMV (a weight block read once, multiplied by each row in turn with the one-row
 code) and FusedDecodeAttention(exact=True) (a KV-writing kernel first, then the fused kernel
@@ -111,10 +111,11 @@ class CudaRunnerOptions:
     # one-row GEMV and FusedDecodeAttention(exact=True), so greedy output with speculation is
     # token for token the output without it. Needs the fused one-row graph (it is what the
     # rows must equal) and model-dtype pages; replayed up to fused_decode_max_context. 0: off
-    # (verification rows take FlashInfer's decode graph and the few-rows products). Off by
-    # default until a GPU has timed the GEMV's multi-row form: its first form (a program per
-    # row and weight block, checked bit for bit on an H100) made SmolLM2-135M's 17-token
-    # verification 3.4 ms against 1.0 (docs/performance.md, 2026-12-05 20:00 UTC).
+    # (verification rows take FlashInfer's decode graph and the few-rows products). Off unless
+    # the ranks run with --exact-verification (ranks/worker.py cuda_runner_options): exact, but
+    # each row costs about one more one-row pass (H200, 2026-12-05 22:40 UTC: SmolLM2-135M's
+    # 17-token verification 5.8 ms against 1.2 through FlashInfer's graph, the 8B's 108 ms
+    # against 5.3; docs/performance.md).
     exact_verify_max_bucket: int = 0
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one

@@ -609,7 +609,6 @@ def _gemv_rows_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     M: tl.constexpr,
-    UNROLL: tl.constexpr,
 ):
     # W_SCALE: 0 a dense w; 1 float8 w with one scale per row; 2 float8 w with one scale per
     # (BLOCK_ROWS x BLOCK_COLS) block, SCALE_COLS blocks a row. The scales multiply the dot
@@ -622,11 +621,11 @@ def _gemv_rows_kernel(
     # each weight block, read once, multiplies every row in turn, each row prepared by the
     # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
     # so a row's result is the one it gets alone; its preparation is redone per block. The
-    # rows' loop is unrolled UNROLL times (sm90 cubins compiled on the CPU, pointers aligned
-    # as launches specialise them: rolled, 47-48 registers on SmolLM2's shapes and 102-156
-    # on the 8B's, bf16 and FP8, no spills; wholly unrolled at 17 rows, the 8B's down spills
-    # 272 bytes and SmolLM2's qkv 8), and a row's SASS holds the one row's 72 floating-point
-    # instructions.
+    # rows' loop stays rolled: 47-48 registers on SmolLM2's shapes and 102-156 on the 8B's
+    # (bf16 and FP8, no spills; sm90 cubins compiled on the CPU), where wholly unrolled at 17
+    # rows the 8B's down spills 272 bytes and SmolLM2's 17-row verification was slower on an
+    # H200 (7.6 ms against 5.8). The rows are serial: each costs about one more one-row pass
+    # (docs/performance.md, 2026-12-05 22:40 UTC).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -664,7 +663,7 @@ def _gemv_rows_kernel(
                 BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
             )  # fmt: skip
         else:
-            for m in tl.range(M, loop_unroll_factor=UNROLL):
+            for m in tl.range(M, loop_unroll_factor=1):
                 xm = _gemv_input(
                     x_ptr + m * x_stride, res_ptr + m * K, norm_w_ptr, res_out_ptr + m * K,
                     cols, col_ok, eps, blk == 0, dtype, K, NORM, ADD_RESIDUAL, SILU_MUL,
@@ -689,14 +688,12 @@ def gemv_rows(
     residual_out=None,
     w_scale=None,
     w_block=None,
-    unroll: int = 1,
 ) -> None:
     """The persistent GEMV: out [M, N] = a [M, K] @ w [N, K]^T (+ bias), where a is x,
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
     (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
-    computed exactly as alone, their loop unrolled `unroll` times. x, residual, residual_out,
-    out contiguous. w_scale: a float8 w's scales, [N] per row or [ceil(N / rows), ceil(K /
+    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8 w's scales, [N] per row or [ceil(N / rows), ceil(K /
     cols)] per block of w_block = (rows, cols), both powers of 2."""
     n, k = w.shape
     m = x.shape[0]
@@ -732,7 +729,6 @@ def gemv_rows(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         M=m,
-        UNROLL=min(unroll, m),
         NORM=norm_weight is not None,
         ADD_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,

@@ -222,6 +222,11 @@ def test_an_invalid_chat_template_is_refused_at_start(tiny_pkg, tmp_path):
         (("--speculate", "ngram", "--spec-tokens", "0"), "speculative tokens must be 1 to 16"),
         (("--speculate", "ngram", "--ngram-min", "0"), "n-gram sizes must satisfy 1 <= min"),
         (("--ngram-min", "3"), "--ngram-min is for --speculate ngram, not off"),
+        (("--exact-verification",), "--exact-verification is for speculative decoding"),
+        (
+            ("--speculate", "ngram", "--exact-verification", "--cluster", "c.toml"),
+            "--exact-verification is the ranks' setting and orbit up starts them",
+        ),
     ],
 )
 def test_a_bad_speculation_setting_is_refused_at_start(tiny_pkg, args, says):
@@ -394,7 +399,7 @@ def test_rank_threads_leave_a_core_for_the_frontend(cores, tp, threads):
 # ---- orbit up --log-level: the cluster's ranks ----
 
 
-def _cluster_rank_argv(log_level: str) -> list[str]:
+def _cluster_rank_argv(log_level: str = "warning", **launch) -> list[str]:
     from orbit.cluster.config import HostConfig
     from orbit.cluster.launch import rank_launch
     from orbit.cluster.state import ClusterState, HostRecord
@@ -404,8 +409,8 @@ def _cluster_rank_argv(log_level: str) -> list[str]:
         "/c.toml", "/pkg", "d", "f", 1, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
         (host,), (),
     )  # fmt: skip
-    launch = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, log_level=log_level)
-    return [str(arg) for arg in launch.argv]
+    got = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, log_level=log_level, **launch)
+    return [str(arg) for arg in got.argv]
 
 
 def test_orbit_up_passes_the_log_level_to_its_ranks():
@@ -426,3 +431,34 @@ def test_orbit_up_log_level_changes_the_launch_fingerprint():
     default = launch_fingerprint(config, UpOptions())
     assert launch_fingerprint(config, UpOptions(log_level="warning")) == default
     assert launch_fingerprint(config, UpOptions(log_level="debug")) != default
+
+
+def test_exact_verification_reaches_local_and_cluster_ranks(tmp_path):
+    """--exact-verification (orbit serve's ranks, orbit up's) is a flag of every rank, which
+    a CUDA rank turns into exact graphs for every bucket of up to cuda_ops.HALF_FEW_ROWS rows;
+    without it nothing is added (clusters brought up before it keep their fingerprint)."""
+    from orbit.cluster.config import parse_cluster_config
+    from orbit.cluster.up import UpOptions, launch_fingerprint
+    from orbit.core.local_ranks import LocalRankOptions, LocalRanks
+    from ranks.config import RankConfig
+    from ranks.worker import cuda_runner_options
+    from runtime import cuda_ops
+
+    def local_argv(exact: bool) -> list[str]:
+        opts = LocalRankOptions(exact_verification=exact)
+        ranks = LocalRanks(tmp_path, 2, "tcp://127.0.0.1:1", tmp_path, opts, tmp_path)
+        return ranks.rank_argv(1, "tcp://127.0.0.1:2")
+
+    for argv in (local_argv(True), _cluster_rank_argv(exact_verification=True)):
+        assert argv[1:3] == ["-m", "ranks"]
+        cfg = RankConfig.from_argv(argv[3:])
+        assert cfg.exact_verification
+        assert cuda_runner_options(cfg, None, 0).exact_verify_max_bucket == cuda_ops.HALF_FEW_ROWS
+    for argv in (local_argv(False), _cluster_rank_argv()):
+        assert "--exact-verification" not in argv
+        cfg = RankConfig.from_argv(argv[3:])
+        assert cuda_runner_options(cfg, None, 0).exact_verify_max_bucket == 0
+    config = parse_cluster_config('package = "pkg"\n\n[[hosts]]\naddress = "gpu-a"\n')
+    default = launch_fingerprint(config, UpOptions())
+    assert launch_fingerprint(config, UpOptions(exact_verification=False)) == default
+    assert launch_fingerprint(config, UpOptions(exact_verification=True)) != default

@@ -78,12 +78,13 @@ def rank_launch(
     host_config: HostConfig, host: HostRecord, state: ClusterState, rank: int, gpu: int,
     kv_pages: int, kv_cache_mb: int, interface: str | None = None, join_timeout_s: float = 120.0,
     num_trusted_keys: int = 0, log_level: str = "warning", kv_dtype: str = "auto",
-    draft_dir: str = "",
+    draft_dir: str = "", exact_verification: bool = False,
 ) -> RankLaunch:  # fmt: skip
     """`interface`: what the preflight chose for collectives (hosts.nccl_interface when set);
     `num_trusted_keys`: public keys pushed beside the CURVE keys, which the rank then requires
-    the package to be signed by; `log_level`, `kv_dtype`: the rank's (passed only when not the
-    default); `draft_dir`: the draft package on the host (rank 0 with orbit up --draft)."""
+    the package to be signed by; `log_level`, `kv_dtype`, `exact_verification`: the rank's
+    (passed only when not the default); `draft_dir`: the draft package on the host (rank 0
+    with orbit up --draft)."""
     flags = {
         # --package and --rank first and together: rank_marker() finds the process by them.
         "--package": host.package_dir,
@@ -105,6 +106,8 @@ def rank_launch(
     if draft_dir:
         flags["--draft-package"] = draft_dir
     argv = (host_config.python, "-m", "ranks", *(x for kv in flags.items() for x in kv))
+    if exact_verification:
+        argv += ("--exact-verification",)
     for i in range(num_trusted_keys):
         argv += ("--trusted-key", f"{host.curve_dir}/trusted-{i}.pub")
     base = f"{host.run_dir}/rank-{rank}"

@@ -96,6 +96,7 @@ class UpOptions:
     join_timeout_s: float = 120.0
     log_level: str = "warning"  # the ranks' logging level (orbit up --log-level)
     draft_package: Path | None = None  # pushed to rank 0's host, which drafts with it
+    exact_verification: bool = False  # orbit up --exact-verification (ranks/config.py)
 
 
 class UpEvents:
@@ -216,10 +217,11 @@ def launch_fingerprint(
         for h in config.hosts
     ]
     frontend = [config.frontend.address, list(config.frontend.port_range)]
-    # The log level and KV dtype count only when set: clusters brought up before they existed
-    # keep their fingerprint.
+    # The log level, KV dtype and exact verification count only when set: clusters brought up
+    # before they existed keep their fingerprint.
     extra = [opts.log_level] if opts.log_level != "warning" else []
     extra += [opts.kv_dtype] if opts.kv_dtype != "auto" else []
+    extra += ["exact-verification"] if opts.exact_verification else []
     extra += [["draft", draft.digest]] if draft is not None else []
     data = json.dumps([hosts, frontend, opts.kv_pages, opts.kv_cache_mb, list(interfaces), *extra])
     return hashlib.sha256(data.encode()).hexdigest()
@@ -365,7 +367,7 @@ def _launches(
             host, state.hosts[p.host_index], state, p.rank, p.local_gpu_index, opts.kv_pages,
             opts.kv_cache_mb, interfaces[p.host_index], opts.join_timeout_s,
             len(config.trusted_keys) if config.require_signature else 0, opts.log_level,
-            opts.kv_dtype, draft_dir if p.rank == 0 else "",
+            opts.kv_dtype, draft_dir if p.rank == 0 else "", opts.exact_verification,
         ))  # fmt: skip
     return launches
 

@@ -24,6 +24,7 @@ class LocalRankOptions:
     log_level: str = "warning"  # the ranks' logging level
     trusted_keys: tuple[Path, ...] = ()  # passed on: ranks refuse packages not signed by one
     draft_package: Path | None = None  # rank 0 drafts with it (orbit serve --draft)
+    exact_verification: bool = False  # orbit serve --exact-verification (ranks/config.py)
 
 
 # Cores left to the engine core and the API servers (tokenizing, detokenizing, SSE) when the
@@ -62,47 +63,54 @@ class LocalRanks:
     def log_path(self, rank: int) -> Path:
         return self.log_dir / f"rank-{rank}.log"
 
-    def start(self) -> None:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        dist_init = f"tcp://127.0.0.1:{free_port()}"
+    def rank_argv(self, rank: int, dist_init: str) -> list[str]:
+        """How rank `rank` is started (python -m ranks and its flags)."""
         threads = self.opts.threads or default_rank_threads(os.cpu_count() or 1, self.tp_size)
         if self.opts.device != "cpu":
             threads = 0  # a CUDA rank sets its own (ranks/worker.py rank_threads)
+        cmd = [
+            sys.executable,
+            "-m",
+            "ranks",
+            "--package",
+            str(self.package),
+            "--rank",
+            str(rank),
+            "--tp-size",
+            str(self.tp_size),
+            "--frontend",
+            self.frontend,
+            "--dist-init",
+            dist_init,
+            "--device",
+            self.opts.device,
+            "--kv-pages",
+            str(self.opts.kv_pages),
+            "--kv-cache-mb",
+            str(self.opts.kv_cache_mb),
+            "--kv-dtype",
+            self.opts.kv_dtype,
+            "--threads",
+            str(threads),
+            "--exit-with-parent",
+            "--curve-dir",
+            str(self.curve_dir),
+            "--log-level",
+            self.opts.log_level,
+        ]
+        for key in self.opts.trusted_keys:
+            cmd += ["--trusted-key", str(Path(key).resolve())]
+        if self.opts.exact_verification:
+            cmd.append("--exact-verification")
+        if self.opts.draft_package is not None and rank == 0:
+            cmd += ["--draft-package", str(Path(self.opts.draft_package).resolve())]
+        return cmd
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        dist_init = f"tcp://127.0.0.1:{free_port()}"
         for rank in range(self.tp_size):
-            cmd = [
-                sys.executable,
-                "-m",
-                "ranks",
-                "--package",
-                str(self.package),
-                "--rank",
-                str(rank),
-                "--tp-size",
-                str(self.tp_size),
-                "--frontend",
-                self.frontend,
-                "--dist-init",
-                dist_init,
-                "--device",
-                self.opts.device,
-                "--kv-pages",
-                str(self.opts.kv_pages),
-                "--kv-cache-mb",
-                str(self.opts.kv_cache_mb),
-                "--kv-dtype",
-                self.opts.kv_dtype,
-                "--threads",
-                str(threads),
-                "--exit-with-parent",
-                "--curve-dir",
-                str(self.curve_dir),
-                "--log-level",
-                self.opts.log_level,
-            ]
-            for key in self.opts.trusted_keys:
-                cmd += ["--trusted-key", str(Path(key).resolve())]
-            if self.opts.draft_package is not None and rank == 0:
-                cmd += ["--draft-package", str(Path(self.opts.draft_package).resolve())]
+            cmd = self.rank_argv(rank, dist_init)
             # Every listener of the ranks (gloo's pairs, NCCL's bootstrap) stays on loopback.
             env = dict(
                 os.environ,

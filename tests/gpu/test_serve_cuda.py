@@ -12,6 +12,7 @@ completely on at least one prompt.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from pathlib import Path
@@ -191,3 +192,27 @@ def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
     kept = metrics["orbit_spec_accepted_tokens_total"]
     report("serve_cuda_draft_acceptance", proposed=proposed, kept=kept)
     assert kept > 0.5 * proposed > 0  # measured there: 71 of 78
+
+
+def test_exact_verification_gives_the_plain_gpu_text(packages, report):
+    """`--exact-verification`: the bf16 package drafting for itself with its verification rows
+    computed as one-token steps (the exact graphs), against the same package on the GPU
+    without speculation: the greedy tokens are identical to the end on every prompt (no
+    near-tie allowance), and every proposal is kept, since the draft's one-row steps round
+    exactly as the verifier's rows now do."""
+    name_args = ("--model-name", MODEL, "--device", "cuda")
+    with ServerProcess(packages["bfloat16"], *name_args) as plain:
+        reference = [_greedy(plain, p)[1] for p in PROMPTS]
+    exact = ("--speculate", "draft", "--draft", str(packages["bfloat16"]), "--exact-verification")
+    with ServerProcess(packages["bfloat16"], *name_args, *exact) as gpu:
+        got = [_greedy(gpu, p)[1] for p in PROMPTS]
+        metrics = gpu.metrics()
+    proposed = metrics["orbit_spec_proposed_tokens_total"]
+    kept = metrics["orbit_spec_accepted_tokens_total"]
+    same = [
+        sum(1 for _ in itertools.takewhile(lambda t: t[0] == t[1], zip(a, b)))
+        for a, b in zip(reference, got)
+    ]
+    report("serve_cuda_exact_verification", tokens_equal=same, proposed=proposed, kept=kept)
+    assert got == reference
+    assert kept == proposed > 0
