@@ -3,7 +3,7 @@ measured in the same run and against transformers' generate() at batch 1 on the 
 
     python -m benchmarks.decode --out DIR            # Llama-3.1-8B architecture, random bf16
     python -m benchmarks.decode --shape smollm2 --batches 1,4,24 --prompts 128 --hf-tokens 0 \
-        [--fuse-few-rows] --profile --out DIR        # SmolLM2-135M's shapes (issue 19's copy runs)
+        --profile --out DIR                          # SmolLM2-135M's shapes (issue 19's copy runs)
 
 The model is built from a config alone: transformers' model (random init) for the generate()
 baseline, then Orbit's shard tensors, shaped by runtime/layout.py as a package's rank-0 shard
@@ -101,12 +101,6 @@ def parse_args(argv):
         action="store_true",
         help="the baseline: few-rows products of small weights launched plainly, not early "
         "(runtime/cuda_ops.py EARLY_LAUNCH_WEIGHTS = 0)",
-    )
-    p.add_argument(
-        "--fuse-few-rows",
-        action="store_true",
-        help="few-rows products of small weights with the norm or SiLU-mul before them inside "
-        "(runtime/cuda_ops.py FUSE_FEW_ROWS; off in the code until timed)",
     )
     p.add_argument(
         "--split-rows",
@@ -462,8 +456,6 @@ def main(argv=None) -> int:
 
     if args.late_few_rows:
         cuda_ops.EARLY_LAUNCH_WEIGHTS = 0
-    if args.fuse_few_rows:
-        cuda_ops.FUSE_FEW_ROWS = True
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

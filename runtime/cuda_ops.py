@@ -130,30 +130,19 @@ def _launch_bound(w: torch.Tensor) -> bool:
     return w.numel() <= EARLY_LAUNCH_WEIGHTS
 
 
-def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias, **fused) -> torch.Tensor:
-    """x's rows (or what `fused` makes of them: triton_kernels.few_rows_mm) @ w^T (+ bias)
-    through the few-rows kernel at its tile, launched early for a launch-bound w."""
+def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
+    """x @ w^T (+ bias) through the few-rows kernel at its tile, launched early for a
+    launch-bound w. The norm and SiLU-mul before it stay separate kernels: fusing them into
+    this one for small weights measured slower and was removed (H200, SmolLM2-135M's decode
+    graph 1.19 / 1.20 / 1.23 / 1.74 ms at 2 / 4 / 8 / 24 rows against 0.75 / 0.75 / 0.77 /
+    1.04 without, 2026-12-05)."""
     from runtime import triton_kernels
 
     rows = x.shape[0]
     out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
     early = _launch_bound(w) and triton_kernels.pdl(x.device)
-    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early, **fused)
+    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early)
     return out
-
-
-# Whether a few rows of such small weights also take the add + RMSNorm before qkv and gate_up
-# and the SiLU-mul before down inside the few-rows kernel, as one row does in the GEMV: 90 fewer
-# kernels a step of SmolLM2-135M, which with the early launch still took 0.77 ms for 2 rows
-# against 0.54 for one. Off until a GPU has checked and timed it (benchmarks.decode
-# --fuse-few-rows; tests/gpu/test_gemv.py turns it on for its checks).
-FUSE_FEW_ROWS = False
-
-
-def fuses_few_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the norm or SiLU-mul before a product of these few rows (x contiguous) by w
-    goes inside the few-rows kernel."""
-    return FUSE_FEW_ROWS and few_rows(x) and x.is_contiguous() and _launch_bound(w)
 
 
 def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
@@ -236,11 +225,8 @@ def silu_and_mul_linear(
     scale: torch.Tensor | None = None,
     block: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """silu_and_mul(gate_up) @ w^T; one row in one kernel, a few rows of a small dense weight
-    too where fuses_few_rows says so."""
+    """silu_and_mul(gate_up) @ w^T; one row in one kernel."""
     if not one_row(gate_up):
-        if scale is None and fuses_few_rows(gate_up, w):
-            return _few_rows_mm(gate_up, w, None, silu_mul=True)
         return many_rows_linear(silu_and_mul(gate_up), w, None)
     return _gemv(gate_up, w, None, scale, block, silu_mul=True)
 
@@ -303,13 +289,9 @@ def fp8_block_mm(
     return out if bias is None else out + bias
 
 
-def fuses_norm(
-    x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor | None = None
-) -> bool:
-    """Whether norm_linear takes these: one row, contiguous, or with a dense weight w a few
-    rows where fuses_few_rows says so."""
-    rows_ok = one_row(x) or (w is not None and fuses_few_rows(x, w))
-    return rows_ok and (residual is None or residual.is_contiguous())
+def fuses_norm(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether norm_linear takes these: one row, contiguous."""
+    return one_row(x) and (residual is None or residual.is_contiguous())
 
 
 def norm_linear(
@@ -323,12 +305,9 @@ def norm_linear(
     block: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(s) * norm_weight) @ w^T (+ bias) and s = x + residual (s = x when residual is
-    None), for the rows fuses_norm accepts, in one kernel: every program of the GEMV (one row)
-    or of the few-rows kernel (a dense w) normalises the rows itself."""
+    None), for the rows fuses_norm accepts, in one kernel: every program of the GEMV
+    normalises the rows itself."""
     stream = torch.empty_like(x) if residual is not None else None
     fused = {"norm_weight": norm_weight, "eps": eps, "residual": residual, "residual_out": stream}
-    if one_row(x):
-        out = _gemv(x, w, bias, scale, block, **fused)
-    else:
-        out = _few_rows_mm(x, w, bias, **fused)
+    out = _gemv(x, w, bias, scale, block, **fused)
     return out, (x if stream is None else stream)

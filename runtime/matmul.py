@@ -49,7 +49,7 @@ class HalfMatmul:
         return cuda_ops.silu_and_mul_linear(gate_up, layer.weight)
 
     def norm_linear(self, norm, x, residual, layer):
-        if cuda_ops.fuses_norm(x, residual, layer.weight):
+        if cuda_ops.fuses_norm(x, residual):
             return cuda_ops.norm_linear(
                 x, residual, norm.weight, norm.eps, layer.weight, layer.bias
             )

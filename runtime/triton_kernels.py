@@ -843,13 +843,9 @@ def _few_rows_kernel(
     ws_ptr,
     b_ptr,
     y_ptr,
-    res_ptr,
-    norm_w_ptr,
-    res_out_ptr,
     M,
     N,
     x_stride,
-    eps,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -857,18 +853,12 @@ def _few_rows_kernel(
     SCALED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr,
-    NORM: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
-    SILU_MUL: tl.constexpr,
 ):
-    # y [M, N] = a [M, K] @ w [N, K]^T (+ b) for few rows M <= ROWS, computed as W a^T so that
+    # y [M, N] = x [M, K] @ w [N, K]^T (+ b) for few rows M <= ROWS, computed as W x^T so that
     # the weight's rows fill the tensor cores' long side (a GEMM with M rows would pad them to
-    # 64 and read the weights once per 64-row tile of x anyway). a is x, or as in the GEMV
-    # silu(gate) * up of x = [gate | up] (SILU_MUL), or rmsnorm(x (+ residual)) * norm_w
-    # (NORM; x + residual written to res_out by program 0), each rounded to y's dtype as the
-    # unfused kernels round it. SCALED: x and w are float8, x scaled per row by xs [M], w per
-    # row by ws [N], both applied to the float32 sums. PDL: launched early, it waits for the
-    # previous kernel before reading anything.
+    # 64 and read the weights once per 64-row tile of x anyway). SCALED: x and w are float8,
+    # x scaled per row by xs [M], w per row by ws [N], both applied to the float32 sums.
+    # PDL: launched early, it waits for the previous kernel before reading anything.
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -876,20 +866,6 @@ def _few_rows_kernel(
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rr = tl.arange(0, ROWS)
     rk = tl.arange(0, BLOCK_K)
-    dtype = y_ptr.dtype.element_ty
-    if NORM:  # each row's mean square first: every program normalises the rows itself
-        sum_sq = tl.zeros((ROWS,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            ok = (rr < M)[None, :] & (k < K)[:, None]
-            st = tl.load(x_ptr + rr[None, :] * x_stride + k[:, None], mask=ok, other=0.0)
-            st = st.to(tl.float32)
-            if ADD_RESIDUAL:
-                st += tl.load(res_ptr + rr[None, :] * K + k[:, None], mask=ok, other=0.0).to(
-                    tl.float32
-                )
-            sum_sq += tl.sum(st * st, axis=0)
-        rrms = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + rk
@@ -898,22 +874,11 @@ def _few_rows_kernel(
             mask=(rn < N)[:, None] & (k < K)[None, :],
             other=0.0,
         )
-        ok = (rr < M)[None, :] & (k < K)[:, None]
-        xt = tl.load(x_ptr + rr[None, :] * x_stride + k[:, None], mask=ok, other=0.0)
-        if SILU_MUL:
-            gate = xt.to(tl.float32)
-            up = tl.load(x_ptr + rr[None, :] * x_stride + K + k[:, None], mask=ok, other=0.0)
-            xt = (gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)).to(dtype)
-        elif NORM:
-            st = xt.to(tl.float32)
-            if ADD_RESIDUAL:
-                st += tl.load(res_ptr + rr[None, :] * K + k[:, None], mask=ok, other=0.0).to(
-                    tl.float32
-                )
-                if pid == 0:
-                    tl.store(res_out_ptr + rr[None, :] * K + k[:, None], st.to(dtype), mask=ok)
-            nw = tl.load(norm_w_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            xt = (st * rrms[None, :] * nw[:, None]).to(dtype)
+        xt = tl.load(
+            x_ptr + rr[None, :] * x_stride + k[:, None],
+            mask=(rr < M)[None, :] & (k < K)[:, None],
+            other=0.0,
+        )
         acc = tl.dot(w, xt, acc)
     if SCALED:
         ws = tl.load(ws_ptr + rn, mask=rn < N, other=0.0)
@@ -923,35 +888,18 @@ def _few_rows_kernel(
         acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
     tl.store(
         y_ptr + rr[None, :] * N + rn[:, None],
-        acc.to(dtype),
+        acc.to(y_ptr.dtype.element_ty),
         mask=(rn < N)[:, None] & (rr < M)[None, :],
     )
 
 
-def few_rows_mm(
-    x,
-    w,
-    bias,
-    out,
-    tile,
-    xs=None,
-    ws=None,
-    early: bool = False,
-    silu_mul: bool = False,
-    norm_weight=None,
-    eps: float = 0.0,
-    residual=None,
-    residual_out=None,
-) -> None:
-    """out [M, N] = a [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
-    row stride); a is x, or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
-    rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out (residual and
-    residual_out [M, K] contiguous); with xs and ws (no silu_mul or norm), x and w are float8
-    scaled per row (xs [M, 1], ws [N]). tile = (BLOCK_N, BLOCK_K, pipeline stages, warps).
-    early: launched with programmatic dependent launch (on GPUs that have it), so it starts
-    while the previous kernel drains."""
-    m = x.shape[0]
-    n, k = w.shape
+def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None, early: bool = False) -> None:
+    """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
+    row stride); with xs and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile =
+    (BLOCK_N, BLOCK_K, pipeline stages, warps). early: launched with programmatic dependent
+    launch (on GPUs that have it), so it starts while the previous kernel drains."""
+    m, k = x.shape
+    n = w.shape[0]
     block_n, block_k, stages, warps = tile
     _few_rows_kernel[(triton.cdiv(n, block_n),)](
         w,
@@ -960,13 +908,9 @@ def few_rows_mm(
         ws if ws is not None else w,
         bias if bias is not None else w,
         out,
-        residual if residual is not None else x,
-        norm_weight if norm_weight is not None else x,
-        residual_out if residual_out is not None else x,
         m,
         n,
         x.stride(0),
-        eps,
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -974,9 +918,6 @@ def few_rows_mm(
         SCALED=xs is not None,
         HAS_BIAS=bias is not None,
         PDL=early,
-        NORM=norm_weight is not None,
-        ADD_RESIDUAL=residual is not None,
-        SILU_MUL=silu_mul,
         num_stages=stages,
         num_warps=warps,
         launch_pdl=early,

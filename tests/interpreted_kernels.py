@@ -1,10 +1,11 @@
 """Orbit's Triton kernels run through Triton's interpreter on the CPU, in float32, against
-PyTorch: the one-row GEMV, the few-rows and split-K products (their indexing, masks and fusions: norm, residual
-stream, SiLU-mul, bias, strided rows, K not a multiple of the block, the split-K parts), RoPE
-with the paged KV write, SiLU-and-multiply, and the fused decode attention, without a GPU. Run as a
-script with TRITON_INTERPRET=1 set before Triton is imported (tests/test_interpreted_kernels.py
-does); prints the worst relative error of each check as JSON and exits 1 on a failed check.
-The GPU tests (tests/gpu/test_gemv.py) check the same products in bf16 on the hardware."""
+PyTorch: the one-row GEMV with its fusions (norm, residual stream, SiLU-mul), the few-rows and
+split-K products (their indexing and masks: bias, strided rows, K not a multiple of the block,
+the split-K parts), RoPE with the paged KV write, SiLU-and-multiply, and the fused decode
+attention, without a GPU. Run as a script with TRITON_INTERPRET=1 set before Triton is imported
+(tests/test_interpreted_kernels.py does); prints the worst relative error of each check as JSON
+and exits 1 on a failed check. The GPU tests (tests/gpu/test_gemv.py) check the same products
+in bf16 on the hardware."""
 
 from __future__ import annotations
 
@@ -27,24 +28,6 @@ def note(worst: dict, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
     worst[name] = max(worst.get(name, 0.0), rel(got, ref))
 
 
-def check_norm_and_silu(worst: dict, prefix: str, x, residual, w, nw) -> None:
-    """norm_linear of x without and with the residual (the stream exact, the inputs
-    untouched) and silu_and_mul_linear of rows as many as x's, against PyTorch: the worst
-    errors as PREFIX_norm and PREFIX_silu."""
-    before = (x.clone(), residual.clone())
-    for res in (None, residual):
-        out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
-        s = x + (0 if res is None else res)
-        ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
-        note(worst, f"{prefix}_norm", out, ref)
-        assert torch.equal(stream, s), f"{prefix}: the residual stream differs"
-    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
-    k = x.shape[1]
-    gate_up = torch.randn(x.shape[0], 2 * k)
-    ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
-    note(worst, f"{prefix}_silu", cuda_ops.silu_and_mul_linear(gate_up, w), ref)
-
-
 def check_products(worst: dict) -> None:
     """Plain few-rows products (2 to 32 rows) and split-K ones (33 to 64 rows, SPLIT_ROWS on),
     of contiguous and strided rows, with and without bias."""
@@ -60,31 +43,28 @@ def check_products(worst: dict) -> None:
                     note(worst, name, cuda_ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
 
 
-def check_fused(worst: dict) -> None:
-    """With FUSE_FEW_ROWS: the add + RMSNorm (with and without a residual; the stream exact,
-    the inputs untouched) and the SiLU-mul inside the few-rows kernel."""
-    cuda_ops.FUSE_FEW_ROWS = True
-    for n, k in ((96, 80), (40, 300)):
-        w = torch.randn(n, k) / k**0.5
-        nw = torch.rand(k) + 0.5
-        for m in (2, 17):
-            x, residual = torch.randn(m, k), torch.randn(m, k)
-            assert cuda_ops.fuses_norm(x, residual, w)
-            assert cuda_ops.fuses_few_rows(torch.randn(m, 2 * k), w)
-            check_norm_and_silu(worst, "fused", x, residual, w, nw)
-
-
 def check_gemv(worst: dict) -> None:
     """The persistent one-row GEMV (four programs per "SM" on the CPU, so each takes several
     row blocks in turn, the next block's weights loaded ahead): plain with and without bias,
-    with the add + RMSNorm before it (the stream written once), and with the SiLU-mul."""
+    with the add + RMSNorm before it, without and with the residual (the stream written once
+    and exact, the inputs untouched), and with the SiLU-mul."""
     for n, k in ((96, 80), (37, 300)):
         w = torch.randn(n, k) / k**0.5
         bias, nw = torch.randn(n), torch.rand(k) + 0.5
         x, residual = torch.randn(1, k), torch.randn(1, k)
         for b in (None, bias):
             note(worst, "gemv", cuda_ops.linear(x, w, b), torch.nn.functional.linear(x, w, b))
-        check_norm_and_silu(worst, "gemv", x, residual, w, nw)
+        before = (x.clone(), residual.clone())
+        for res in (None, residual):
+            out, stream = cuda_ops.norm_linear(x, res, nw, 1e-5, w, None)
+            s = x + (0 if res is None else res)
+            ref = (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw) @ w.T
+            note(worst, "gemv_norm", out, ref)
+            assert torch.equal(stream, s), "the residual stream differs"
+        assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+        gate_up = torch.randn(1, 2 * k)
+        ref = (torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]) @ w.T
+        note(worst, "gemv_silu", cuda_ops.silu_and_mul_linear(gate_up, w), ref)
 
 
 def check_rope_and_silu(worst: dict) -> None:
@@ -229,7 +209,6 @@ def main() -> int:
     worst: dict = {}
     check_products(worst)
     check_gemv(worst)
-    check_fused(worst)
     check_rope_and_silu(worst)
     check_decode_attention(worst)
     check_exact_rows(worst)

@@ -141,15 +141,15 @@ def test_exact_rows_gemv_computes_each_row_as_the_one_row_gemv(shape):
     assert stored_values(half_warps.asm["ptx"]) != one_row
 
 
-# (N, K, rows, what is fused in, fp8) of few-rows products: SmolLM2-135M's qkv and down with
-# the norm and the SiLU-mul inside (cuda_ops.FUSE_FEW_ROWS) and launched early, the 8B's qkv
-# and down plain, and in FP8 (per-row scales)
+# (N, K, rows, fp8) of few-rows products, launched as cuda_ops launches them: SmolLM2-135M's
+# qkv and down early (small weights: EARLY_LAUNCH_WEIGHTS), the 8B's qkv and down and its qkv
+# in FP8 (per-row scales) plainly
 FEW_ROWS_CASES = {
-    "smollm2_qkv_norm": (960, 576, 17, "norm", False),
-    "smollm2_down_silu": (576, 1536, 8, "silu", False),
-    "8b_qkv": (6144, 4096, 24, "", False),
-    "8b_down": (4096, 14336, 4, "", False),
-    "8b_qkv_fp8": (6144, 4096, 32, "", True),
+    "smollm2_qkv": (960, 576, 17, False),
+    "smollm2_down": (576, 1536, 8, False),
+    "8b_qkv": (6144, 4096, 24, False),
+    "8b_down": (4096, 14336, 4, False),
+    "8b_qkv_fp8": (6144, 4096, 32, True),
 }
 
 
@@ -157,15 +157,14 @@ FEW_ROWS_CASES = {
 def test_few_rows_kernel_compiles_for_hopper(case):
     from runtime import cuda_ops
 
-    n, k, rows, fused, fp8 = FEW_ROWS_CASES[case]
+    n, k, rows, fp8 = FEW_ROWS_CASES[case]
     block_n, block_k, stages, warps = (64, 256, 4, 4) if fp8 else cuda_ops._few_tile(n, k, rows)
     half = "*fp8e4nv" if fp8 else "*bf16"
     types = {
         **{p: half for p in ("w_ptr", "x_ptr")},
         **{p: "*fp32" for p in ("xs_ptr", "ws_ptr")},
-        **{p: "*bf16" for p in ("b_ptr", "y_ptr", "res_ptr", "norm_w_ptr", "res_out_ptr")},
+        **{p: "*bf16" for p in ("b_ptr", "y_ptr")},
         **{p: "i32" for p in ("M", "N", "x_stride")},
-        "eps": "fp32",
     }
     constexprs = {
         "K": k,
@@ -174,10 +173,7 @@ def test_few_rows_kernel_compiles_for_hopper(case):
         "ROWS": max(16, triton.next_power_of_2(rows)),
         "SCALED": fp8,
         "HAS_BIAS": False,
-        "PDL": fused != "",
-        "NORM": fused == "norm",
-        "ADD_RESIDUAL": fused == "norm",
-        "SILU_MUL": fused == "silu",
+        "PDL": not fp8 and n * k <= cuda_ops.EARLY_LAUNCH_WEIGHTS,
     }
     kernel = compile_sm90(triton_kernels._few_rows_kernel, types, constexprs, warps, stages)
     assert kernel.asm["cubin"]

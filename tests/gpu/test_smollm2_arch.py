@@ -12,7 +12,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run through the device tool)", allow_module_level=True)
 
 from runtime.layers import TPGroup
-from runtime.runner import SeqInput
 from tests.gpu import compare, models, steps
 from tests.gpu.compare import (
     check_greedy,
@@ -54,37 +53,6 @@ def test_smollm2_arch_greedy_matches_cpu_reference(smollm2, report):
         for g, r, gl, rl in zip(gpu_tokens, ref_tokens, gpu_logits, ref_logits)
     ]
     report("smollm2_arch_greedy_vs_cpu_reference", tokens_agreeing=agree, max_new=32)
-
-
-def test_few_rows_with_fused_norms_match_separate_kernels(smollm2, monkeypatch, report):
-    """With cuda_ops.FUSE_FEW_ROWS, decode steps of several rows and verification rows of this
-    model's small weights take the add + RMSNorm and the SiLU-mul inside the few-rows kernel
-    (captured so): the same logits as the separate kernels within the deep model's bf16
-    tolerance, at 3 rows (bucket 4) and 8 rows over four steps, and a 12-token verification row
-    beside a decode row (bucket 16)."""
-    from runtime import cuda_ops
-
-    _, spec, tensors, separate = smollm2
-    monkeypatch.setattr(cuda_ops, "FUSE_FEW_ROWS", True)
-    fused = models.cuda_runner(spec, tensors, TPGroup())
-    prompts = random_prompts(spec.vocab_size, lengths=[30 + 7 * i for i in range(8)], seed=40)
-    worst = 0.0
-    for batch in (3, 8):
-        tables = steps.page_tables(batch, 512)
-        results = [
-            steps.decode_run(runner, prompts[:batch], tables, spec.vocab_size, 4)
-            for runner in (separate, fused)
-        ]
-        worst = max(worst, steps.rel_error(results[1], results[0]))
-    tables = steps.page_tables(2, 512)
-    rows = [
-        SeqInput(prompts[0][:12], 12, tables[0], True, num_samples=12),
-        SeqInput([5], 20, tables[1], True),
-    ]
-    verified = [runner.step(rows).float().cpu() for runner in (separate, fused)]
-    worst = max(worst, steps.rel_error(verified[1], verified[0]))
-    report("smollm2_arch_fused_few_rows_vs_separate", rel_err=worst)
-    assert worst <= DEEP_BF16_REL_TOL
 
 
 def test_verification_rows_equal_one_row_steps_bit_for_bit(smollm2, report):
