@@ -72,21 +72,38 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def one_row(x: torch.Tensor) -> bool:
     """A decode step of one sequence: its products are GEMVs, which Orbit's kernels run at the
     weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv).
-    Inside exact_rows(), up to HALF_FEW_ROWS rows as well, each row through the one-row GEMV."""
+    Inside exact_rows(), up to HALF_FEW_ROWS rows as well, each row through the one-row GEMV
+    ("gemv"), or none ("tiles")."""
     rows = x.shape[0]
+    if _exact_tiles():
+        return False
     return (rows == 1 or (_exact_rows and 1 < rows <= HALF_FEW_ROWS)) and x.is_contiguous()
 
 
-# Set while the runner captures the graphs of verification steps (runtime/cuda_runner.py):
-# their rows take the one-row kernels, each row computed bit for bit as a one-row decode step
-# computes it, so speculation's greedy output is the output without it (issue 19). The GEMV
-# reads each weight block once and multiplies every row by it in turn.
+# Set while the runner captures the exact graphs (runtime/cuda_runner.py, --exact-verification):
+# every row of a verification step computed bit for bit as a one-token step computes it, so
+# speculation's greedy output is the output without it (issue 19). EXACT_ROWS_BY says how:
+# - "gemv": each row through the one-row GEMV, which reads a weight block once and multiplies
+#   every row by it in turn; one-token steps keep their GEMV graphs. Exact on the GPU, but the
+#   rows run one after another: about a one-row pass each (H200: SmolLM2-135M's 17-token
+#   verification 5.8 ms, the 8B's 108 ms; docs/performance.md, 2026-12-05).
+# - "tiles": every product of 1 to HALF_FEW_ROWS rows through the few-rows kernel at one tile
+#   and ROWS = HALF_FEW_ROWS whatever the row count, so a row's dot products run the same
+#   instructions alone or among 32 (the rows are the tensor cores' columns, never mixed); the
+#   norms are FlashInfer's, one row a block. One-token steps then replay these graphs too and
+#   give up the GEMV (SmolLM2's two-row graph through this kernel: 0.75 ms against the GEMV's
+#   0.52 for one row). Not yet run on a GPU.
+EXACT_ROWS_BY = "gemv"
 _exact_rows = False
+
+
+def _exact_tiles() -> bool:
+    return _exact_rows and EXACT_ROWS_BY == "tiles"
 
 
 @contextlib.contextmanager
 def exact_rows():
-    """Within: the products of a few rows run as one-row products, row by row (one_row)."""
+    """Within: the products of up to HALF_FEW_ROWS rows run as EXACT_ROWS_BY says."""
     global _exact_rows
     _exact_rows = True
     try:
@@ -113,7 +130,8 @@ def few_rows(x: torch.Tensor) -> bool:
     """A decode step of a few sequences, or a verification row replayed as one-token rows:
     products that read every weight for a handful of rows, where cuBLAS's GEMMs reach well
     under the weight-read rate (benchmarks/kernels.py --part few)."""
-    return 1 < x.shape[0] <= HALF_FEW_ROWS and x.stride(1) == 1
+    least = 1 if _exact_tiles() else 2
+    return least <= x.shape[0] <= HALF_FEW_ROWS and x.stride(1) == 1
 
 
 # Weights of at most this many elements make a few-rows product that is bound by its launch,
@@ -141,7 +159,11 @@ def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
     rows = x.shape[0]
     out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
     early = _launch_bound(w) and triton_kernels.pdl(x.device)
-    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early)
+    if _exact_tiles():  # the same tile and ROWS for 1 to HALF_FEW_ROWS rows (EXACT_ROWS_BY)
+        tile = _few_tile(*w.shape, HALF_FEW_ROWS)
+        triton_kernels.few_rows_mm(x, w, bias, out, tile, early=early, rows=HALF_FEW_ROWS)
+    else:
+        triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early)
     return out
 
 

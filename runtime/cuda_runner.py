@@ -78,6 +78,7 @@ from runtime.cuda_attention import (
 from runtime.kv_cache import KVCache, KVCacheShape, page_dtype
 from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
 from runtime.layers import TPGroup
+from runtime.matmul import Fp8Matmul
 from runtime.model import Transformer, build_model
 from runtime.package import Package
 from runtime.quant import KVQuant
@@ -203,6 +204,9 @@ class CudaGraphRunner:
         self._fused_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._exact: dict[int, FusedDecodeAttention] = {}
         self._exact_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Whether one-token decode steps replay the exact graphs too (cuda_ops.EXACT_ROWS_BY
+        # "tiles": there a one-token row is computed by the rows' kernels, not the GEMV).
+        self._exact_decode = False
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
@@ -345,6 +349,7 @@ class CudaGraphRunner:
                 self._exact[bucket] = exact
                 with cuda_ops.exact_rows():
                     self._exact_graphs[bucket] = self._capture_decode(bucket, exact, pool)
+        self._exact_decode = bool(self._exact) and cuda_ops.EXACT_ROWS_BY == "tiles"
         torch.cuda.synchronize()
         log.info(
             "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
@@ -359,6 +364,11 @@ class CudaGraphRunner:
         opts = self.options
         if opts.fused_decode_max_bucket < 1 or opts.kv_quant is not None:
             return 0  # no fused one-row graph to equal, or FP8 pages (rounded two ways)
+        if cuda_ops.EXACT_ROWS_BY == "tiles" and any(
+            isinstance(getattr(m, "mm", None), Fp8Matmul) for m in self.model.modules()
+        ):
+            log.warning("exact verification is off: its few-rows tiles take bf16 weights only")
+            return 0
         return opts.exact_verify_max_bucket
 
     def _capture_decode(
@@ -427,7 +437,7 @@ class CudaGraphRunner:
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
         short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
-        if verification:
+        if verification or self._exact_decode:
             attns, graphs = self._exact, self._exact_graphs
         else:
             attns, graphs = self._fused, self._fused_graphs

@@ -893,11 +893,14 @@ def _few_rows_kernel(
     )
 
 
-def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None, early: bool = False) -> None:
+def few_rows_mm(
+    x, w, bias, out, tile, xs=None, ws=None, early: bool = False, rows: int = 0
+) -> None:
     """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
     row stride); with xs and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile =
     (BLOCK_N, BLOCK_K, pipeline stages, warps). early: launched with programmatic dependent
-    launch (on GPUs that have it), so it starts while the previous kernel drains."""
+    launch (on GPUs that have it), so it starts while the previous kernel drains. rows: the
+    kernel's ROWS (a power of 2, at least 16 and M), else the least that holds M."""
     m, k = x.shape
     n = w.shape[0]
     block_n, block_k, stages, warps = tile
@@ -914,7 +917,7 @@ def few_rows_mm(x, w, bias, out, tile, xs=None, ws=None, early: bool = False) ->
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ROWS=max(16, triton.next_power_of_2(m)),
+        ROWS=rows or max(16, triton.next_power_of_2(m)),
         SCALED=xs is not None,
         HAS_BIAS=bias is not None,
         PDL=early,

@@ -167,6 +167,31 @@ def check_exact_rows(worst: dict) -> None:
     worst["exact_gemv"] = (together - alone).abs().max().item()
 
 
+def check_exact_tiles(worst: dict) -> None:
+    """cuda_ops.EXACT_ROWS_BY = "tiles": inside exact_rows() one row and a few take the
+    few-rows kernel at one tile and ROWS, so rows together equal each row alone exactly
+    (exact_tiles, 0 required; the padding rows' masks and the row stride are what it checks
+    here, the tensor cores' column independence is for a GPU to show)."""
+    n, k, m = 40, 300, 17
+    w, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
+    x, gate_up = torch.randn(m, k), torch.randn(m, 2 * k)
+
+    def products(x, gate_up):
+        return torch.cat([cuda_ops.linear(x, w, bias), cuda_ops.silu_and_mul_linear(gate_up, w)], 1)
+
+    cuda_ops.EXACT_ROWS_BY = "tiles"
+    try:
+        with cuda_ops.exact_rows():
+            assert not cuda_ops.one_row(x[:1]) and cuda_ops.few_rows(x[:1])
+            together = products(x, gate_up)
+            alone = torch.cat([products(x[i : i + 1], gate_up[i : i + 1]) for i in range(m)])
+    finally:
+        cuda_ops.EXACT_ROWS_BY = "gemv"
+    expected = torch.cat([x @ w.T + bias, cuda_ops.silu_and_mul(gate_up) @ w.T], 1)
+    note(worst, "tiles", together, expected)
+    worst["exact_tiles"] = (together - alone).abs().max().item()
+
+
 def check_exact_attention(worst: dict) -> None:
     """A verification row of one sequence as one-token rows (FusedDecodeAttention's exact
     mode: rope_store_kv writes every row's k and v, then the fused kernel reads them, the
@@ -212,6 +237,7 @@ def main() -> int:
     check_rope_and_silu(worst)
     check_decode_attention(worst)
     check_exact_rows(worst)
+    check_exact_tiles(worst)
     check_exact_attention(worst)
     print(json.dumps(worst))
     exact = all(v == 0.0 for name, v in worst.items() if name.startswith("exact"))
