@@ -6,6 +6,7 @@
 #   carry [".gpu", ".gputok", ".gga", ".whl"]:  bash benchmarks/gpu_calls.sh serve
 #   carry [".ggb"]:                              bash benchmarks/gpu_calls.sh part
 #   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy [tiles] K [K ...]
+# or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one.
 # serve: the exact graphs bit for bit both ways (cuda_ops.EXACT_ROWS_BY gemv, tiles) on the
 # head_dim-128 Llama and `orbit serve --exact-verification` against the plain server; part:
 # the 8B's verification timed with the tiles; copy: the copy-heavy prompts with
@@ -20,7 +21,13 @@ export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-case "${1:?serve, part or copy}" in
+case "${1:?serve, part, copy or one}" in
+one)  # with too little device time for three calls: serve's tests and part's timing
+  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_runner.py \
+    tests/gpu/test_serve_cuda.py -k "bit_for_bit or exact_verification" 2>&1 | tail -3
+  timeout 150 python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
+    --exact-rows-by tiles --out "$OUT/verify-8b-tiles" 2>&1 | tail -2
+  ;;
 serve)
   cp .gga/part.aa /tmp/gg/
   timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_runner.py \
@@ -51,7 +58,7 @@ copy)
     --exact-rows-by tiles --out "$OUT/verify-smollm2-tiles" 2>&1 | tail -2
   ;;
 *)
-  echo "unknown call $1: serve, part or copy" >&2
+  echo "unknown call $1: serve, part, copy or one" >&2
   exit 2
   ;;
 esac
