@@ -143,18 +143,22 @@ def test_exact_rows_gemv_computes_each_row_as_the_one_row_gemv(shape):
 
 # (N, K, rows, fp8) of few-rows products, launched as cuda_ops launches them: SmolLM2-135M's
 # qkv and down early (small weights: EARLY_LAUNCH_WEIGHTS), the 8B's qkv and down and its qkv
-# in FP8 (per-row scales) plainly
+# in FP8 (per-row scales) plainly; at 32 rows also as the exact graphs by tiles launch every 1
+# to 32 rows (cuda_ops.EXACT_ROWS_BY "tiles": ROWS 32 and the 32-row tile), SmolLM2's LM head
+# and the 8B's down among them
 FEW_ROWS_CASES = {
     "smollm2_qkv": (960, 576, 17, False),
     "smollm2_down": (576, 1536, 8, False),
+    "smollm2_lm_head_32": (49152, 576, 32, False),
     "8b_qkv": (6144, 4096, 24, False),
     "8b_down": (4096, 14336, 4, False),
+    "8b_down_32": (4096, 14336, 32, False),
     "8b_qkv_fp8": (6144, 4096, 32, True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(FEW_ROWS_CASES))
-def test_few_rows_kernel_compiles_for_hopper(case):
+def test_few_rows_kernel_compiles_for_hopper(case, tmp_path):
     from runtime import cuda_ops
 
     n, k, rows, fp8 = FEW_ROWS_CASES[case]
@@ -177,6 +181,9 @@ def test_few_rows_kernel_compiles_for_hopper(case):
     }
     kernel = compile_sm90(triton_kernels._few_rows_kernel, types, constexprs, warps, stages)
     assert kernel.asm["cubin"]
+    if CUOBJDUMP.exists():
+        used = resources(kernel, tmp_path)
+        assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{case} spills: {used}"
 
 
 STRIDES = ["q_stride_t", "q_stride_h", "k_stride_t", "k_stride_h", "v_stride_t", "v_stride_h"]
