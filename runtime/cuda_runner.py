@@ -111,7 +111,8 @@ class CudaRunnerOptions:
     # rows (speculative decoding) that computes every row exactly as a one-row step does: the
     # one-row GEMV and FusedDecodeAttention(exact=True), so greedy output with speculation is
     # token for token the output without it. Needs the fused one-row graph (it is what the
-    # rows must equal) and model-dtype pages; replayed up to fused_decode_max_context. 0: off
+    # rows must equal) and model-dtype pages (asked for without them, capture() refuses with a
+    # ValueError: never quietly inexact); replayed up to fused_decode_max_context. 0: off
     # (verification rows take FlashInfer's decode graph and the few-rows products). Off unless
     # the ranks run with --exact-verification (ranks/worker.py cuda_runner_options): exact, but
     # each row costs about one more one-row pass (H200, 2026-12-05 22:40 UTC: SmolLM2-135M's
@@ -360,15 +361,28 @@ class CudaGraphRunner:
         )
 
     def _exact_max_bucket(self) -> int:
-        """The largest bucket that gets an exact verification graph (0: none)."""
+        """The largest bucket that gets an exact verification graph (0: none). Asked for where
+        it cannot be exact, it is refused rather than quietly left out."""
         opts = self.options
-        if opts.fused_decode_max_bucket < 1 or opts.kv_quant is not None:
-            return 0  # no fused one-row graph to equal, or FP8 pages (rounded two ways)
+        if not opts.exact_verify_max_bucket:
+            return 0
+        if opts.kv_quant is not None:  # the two paths write FP8 pages by different kernels
+            raise ValueError(
+                "exact verification needs KV pages of the model's dtype, not FP8; pass "
+                "--kv-dtype model or drop --exact-verification"
+            )
+        if opts.fused_decode_max_bucket < 1:
+            raise ValueError(
+                "exact verification equals the fused one-row decode graph, which is off "
+                "(fused_decode_max_bucket 0)"
+            )
         if cuda_ops.EXACT_ROWS_BY == "tiles" and any(
             isinstance(getattr(m, "mm", None), Fp8Matmul) for m in self.model.modules()
         ):
-            log.warning("exact verification is off: its few-rows tiles take bf16 weights only")
-            return 0
+            raise ValueError(
+                "exact verification by tiles takes bf16 weights; this package's are FP8: drop "
+                "--exact-verification"
+            )
         return opts.exact_verify_max_bucket
 
     def _capture_decode(

@@ -462,3 +462,21 @@ def test_exact_verification_reaches_local_and_cluster_ranks(tmp_path):
     default = launch_fingerprint(config, UpOptions())
     assert launch_fingerprint(config, UpOptions(exact_verification=False)) == default
     assert launch_fingerprint(config, UpOptions(exact_verification=True)) != default
+
+
+def test_exact_verification_where_it_cannot_be_exact_is_refused():
+    """A CUDA runner asked for exact verification with FP8 KV pages (the one-token and the
+    verification path write them through different kernels) refuses at capture, naming the
+    fix, rather than serving inexact rows; without the ask nothing is checked."""
+    from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
+    from runtime.quant import KVQuant
+
+    runner = object.__new__(CudaGraphRunner)  # the check reads the options alone: no GPU here
+    runner.options = CudaRunnerOptions(exact_verify_max_bucket=32, kv_quant=KVQuant.unit(2))
+    with pytest.raises(ValueError, match="--kv-dtype model or drop --exact-verification"):
+        runner._exact_max_bucket()
+    runner.options = CudaRunnerOptions(exact_verify_max_bucket=0, kv_quant=KVQuant.unit(2))
+    assert runner._exact_max_bucket() == 0
+    runner.options = CudaRunnerOptions(exact_verify_max_bucket=32, fused_decode_max_bucket=0)
+    with pytest.raises(ValueError, match="fused one-row decode graph"):
+        runner._exact_max_bucket()
