@@ -87,8 +87,15 @@ async def _workload(url: str) -> dict:
     return out
 
 
+# The last case also passes --exact-verification, which CPU ranks take and leave as they are
+# (the exact graphs are CUDA's; tests/gpu/test_serve_cuda.py).
 @pytest.mark.parametrize(
-    ("tp", "spec_args"), [(1, ()), (2, ()), (1, ("--spec-tokens", "8", "--ngram-min", "3"))]
+    ("tp", "spec_args"),
+    [
+        (1, ()),
+        (2, ()),
+        (1, ("--spec-tokens", "8", "--ngram-min", "3", "--exact-verification")),
+    ],
 )
 def test_outputs_with_speculation_equal_outputs_without(
     tp, spec_args, tiny_checkpoints, package_cache
