@@ -156,14 +156,11 @@ def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
     1.04 without, 2026-12-05)."""
     from runtime import triton_kernels
 
-    rows = x.shape[0]
-    out = torch.empty((rows, w.shape[0]), dtype=x.dtype, device=x.device)
+    out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     early = _launch_bound(w) and triton_kernels.pdl(x.device)
-    if _exact_tiles():  # the same tile and ROWS for 1 to HALF_FEW_ROWS rows (EXACT_ROWS_BY)
-        tile = _few_tile(*w.shape, HALF_FEW_ROWS)
-        triton_kernels.few_rows_mm(x, w, bias, out, tile, early=early, rows=HALF_FEW_ROWS)
-    else:
-        triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early)
+    # exact rows by tiles: the tile and ROWS of HALF_FEW_ROWS rows for 1 to HALF_FEW_ROWS rows
+    rows = HALF_FEW_ROWS if _exact_tiles() else x.shape[0]
+    triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early, rows=rows)
     return out
 
 

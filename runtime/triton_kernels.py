@@ -693,8 +693,9 @@ def gemv_rows(
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
     (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
-    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8 w's scales, [N] per row or [ceil(N / rows), ceil(K /
-    cols)] per block of w_block = (rows, cols), both powers of 2."""
+    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8
+    w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block of w_block =
+    (rows, cols), both powers of 2."""
     n, k = w.shape
     m = x.shape[0]
     block_n, warps, per_sm = tile
@@ -899,8 +900,9 @@ def few_rows_mm(
     """out [M, N] = x [M, K] @ w [N, K]^T (+ bias) for M <= 64, each row of x contiguous (any
     row stride); with xs and ws, x and w are float8 scaled per row (xs [M, 1], ws [N]). tile =
     (BLOCK_N, BLOCK_K, pipeline stages, warps). early: launched with programmatic dependent
-    launch (on GPUs that have it), so it starts while the previous kernel drains. rows: the
-    kernel's ROWS (a power of 2, at least 16 and M), else the least that holds M."""
+    launch (on GPUs that have it), so it starts while the previous kernel drains. rows (at
+    least M; 0: M): the rows the kernel's ROWS is sized for, so that the same kernel serves
+    fewer."""
     m, k = x.shape
     n = w.shape[0]
     block_n, block_k, stages, warps = tile
@@ -917,7 +919,7 @@ def few_rows_mm(
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        ROWS=rows or max(16, triton.next_power_of_2(m)),
+        ROWS=max(16, triton.next_power_of_2(rows or m)),
         SCALED=xs is not None,
         HAS_BIAS=bias is not None,
         PDL=early,
