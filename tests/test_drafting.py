@@ -119,21 +119,13 @@ def test_orbit_up_passes_the_draft_to_rank_0_alone():
     """`orbit up --draft`: rank 0's command line names the pushed draft, and the draft's digest
     is part of the launch fingerprint (a running cluster without it is restarted, not reused);
     no draft adds nothing, so clusters brought up before the flag keep their fingerprint."""
-    from orbit.cluster.config import HostConfig, parse_cluster_config
-    from orbit.cluster.launch import rank_launch
-    from orbit.cluster.state import ClusterState, HostRecord
+    from orbit.cluster.config import parse_cluster_config
     from orbit.cluster.up import UpOptions, launch_fingerprint
     from ranks.config import RankConfig
-
-    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
-    state = ClusterState(
-        "/c.toml", "/pkg", "d", "f", 2, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
-        (host,), (),
-    )  # fmt: skip
+    from tests.rank_argv import cluster_rank_argv
 
     def argv(rank: int, draft_dir: str) -> list[str]:
-        launch = rank_launch(HostConfig("gpu-a"), host, state, rank, 0, 0, 512, draft_dir=draft_dir)
-        return [str(arg) for arg in launch.argv]
+        return cluster_rank_argv(rank, tp=2, draft_dir=draft_dir)
 
     assert RankConfig.from_argv(argv(0, "/w/packages/e")[3:]).draft_package == "/w/packages/e"
     assert "--draft-package" not in argv(0, "")

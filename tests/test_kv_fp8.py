@@ -213,21 +213,13 @@ def test_orbit_up_passes_the_kv_dtype_to_its_ranks():
     """`orbit up --kv-dtype fp8` reaches each rank's command line and changes the launch
     fingerprint (a running cluster with other pages is restarted, not reused); the default adds
     nothing, so clusters brought up before the flag existed keep their fingerprint."""
-    from orbit.cluster.config import HostConfig, parse_cluster_config
-    from orbit.cluster.launch import rank_launch
-    from orbit.cluster.state import ClusterState, HostRecord
+    from orbit.cluster.config import parse_cluster_config
     from orbit.cluster.up import UpOptions, launch_fingerprint
     from ranks.config import RankConfig
-
-    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
-    state = ClusterState(
-        "/c.toml", "/pkg", "d", "f", 1, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
-        (host,), (),
-    )  # fmt: skip
+    from tests.rank_argv import cluster_rank_argv
 
     def argv(kv_dtype: str) -> list[str]:
-        launch = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, kv_dtype=kv_dtype)
-        return [str(arg) for arg in launch.argv]
+        return cluster_rank_argv(kv_dtype=kv_dtype)
 
     assert RankConfig.from_argv(argv("fp8")[3:]).kv_dtype == "fp8"
     assert "--kv-dtype" not in argv("auto")

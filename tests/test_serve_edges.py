@@ -23,6 +23,7 @@ from orbit.core.local_ranks import default_rank_threads, free_port
 from orbit.model_names import ModelNameError, clean_model_id, served_model_ids
 from runtime.package import open_package
 from runtime.version import __version__
+from tests.rank_argv import cluster_rank_argv
 from tests.server import REPO, ServerProcess
 
 # Seconds within which a refused setting must end `orbit serve`: about 1 s here, before torch
@@ -399,28 +400,14 @@ def test_rank_threads_leave_a_core_for_the_frontend(cores, tp, threads):
 # ---- orbit up --log-level: the cluster's ranks ----
 
 
-def _cluster_rank_argv(log_level: str = "warning", **launch) -> list[str]:
-    from orbit.cluster.config import HostConfig
-    from orbit.cluster.launch import rank_launch
-    from orbit.cluster.state import ClusterState, HostRecord
-
-    host = HostRecord(0, "gpu-a", 22, "orbit", None, "/kh", "/w", "/w/packages/d", "/w/run/d")
-    state = ClusterState(
-        "/c.toml", "/pkg", "d", "f", 1, "10.0.0.1", 29517, "tcp://10.0.0.1:29518", "/keys", 0.0,
-        (host,), (),
-    )  # fmt: skip
-    got = rank_launch(HostConfig("gpu-a"), host, state, 0, 0, 0, 512, log_level=log_level, **launch)
-    return [str(arg) for arg in got.argv]
-
-
 def test_orbit_up_passes_the_log_level_to_its_ranks():
     from ranks.config import RankConfig
 
-    argv = _cluster_rank_argv("info")
+    argv = cluster_rank_argv(log_level="info")
     assert argv[1:3] == ["-m", "ranks"]
     assert RankConfig.from_argv(argv[3:]).log_level == "info"
     # The default adds nothing: ranks started before --log-level existed start the same way.
-    assert "--log-level" not in _cluster_rank_argv("warning")
+    assert "--log-level" not in cluster_rank_argv(log_level="warning")
 
 
 def test_orbit_up_log_level_changes_the_launch_fingerprint():
@@ -449,12 +436,12 @@ def test_exact_verification_reaches_local_and_cluster_ranks(tmp_path):
         ranks = LocalRanks(tmp_path, 2, "tcp://127.0.0.1:1", tmp_path, opts, tmp_path)
         return ranks.rank_argv(1, "tcp://127.0.0.1:2")
 
-    for argv in (local_argv(True), _cluster_rank_argv(exact_verification=True)):
+    for argv in (local_argv(True), cluster_rank_argv(exact_verification=True)):
         assert argv[1:3] == ["-m", "ranks"]
         cfg = RankConfig.from_argv(argv[3:])
         assert cfg.exact_verification
         assert cuda_runner_options(cfg, None, 0).exact_verify_max_bucket == cuda_ops.HALF_FEW_ROWS
-    for argv in (local_argv(False), _cluster_rank_argv()):
+    for argv in (local_argv(False), cluster_rank_argv()):
         assert "--exact-verification" not in argv
         cfg = RankConfig.from_argv(argv[3:])
         assert cuda_runner_options(cfg, None, 0).exact_verify_max_bucket == 0
