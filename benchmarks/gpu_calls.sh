@@ -5,14 +5,15 @@
 # kit, so three calls go back to back on one warm machine, each leaving its part in /tmp/gg:
 #   carry [".gpu", ".gputok", ".gga", ".whl"]:  bash benchmarks/gpu_calls.sh serve
 #   carry [".ggb"]:                              bash benchmarks/gpu_calls.sh part
-#   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy [tiles] K [K ...]
+#   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy K [K ...]
 # or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one.
-# serve: the exact graphs bit for bit both ways (cuda_ops.EXACT_ROWS_BY gemv, tiles) on the
-# head_dim-128 Llama and `orbit serve --exact-verification` against the plain server; part:
-# the 8B's verification timed with the tiles; copy: the copy-heavy prompts with
-# --exact-verification at each --spec-tokens K, the rows by the tiles when the first argument
-# says so (set in the machine's copy of the tree: the ranks read the code's default), then
-# SmolLM2's verification timed with the tiles.
+# extra (carry nothing more, after any of them): issue 20's FP8 tiles on this card, then issue
+# 18's decode profile of the 8B (items 2 and 3 of NOTES-gpu.md's list).
+# serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
+# `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
+# part: the 8B's verification timed with the exact graphs; copy: the copy-heavy prompts with
+# --exact-verification at each --spec-tokens K, SmolLM2's verification timed with the exact
+# graphs, and the default ranks' copy-heavy run (the baseline without the flag).
 set -uo pipefail
 source .gpu/bootstrap.sh >/dev/null 2>&1
 pip install -q --no-index --no-deps --target /tmp/site-whl .whl/*.whl >/dev/null 2>&1 || true
@@ -21,30 +22,30 @@ export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-case "${1:?serve, part, copy or one}" in
+case "${1:?serve, part, copy, one or extra}" in
 one)  # with too little device time for three calls: serve's tests and part's timing
-  timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_runner.py \
-    tests/gpu/test_serve_cuda.py -k "bit_for_bit or exact_verification" 2>&1 | tail -3
+  timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
+    -k "bit_for_bit or exact_verification" >"$OUT/tests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|^E " "$OUT/tests.txt" | head -30
   timeout 150 python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
-    --exact-rows-by tiles --out "$OUT/verify-8b-tiles" 2>&1 | tail -2
+    --out "$OUT/verify-8b-exact" 2>&1 | tail -2
   ;;
 serve)
   cp .gga/part.aa /tmp/gg/
-  timeout 500 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_cuda_runner.py \
-    tests/gpu/test_serve_cuda.py -k "bit_for_bit or exact_verification" 2>&1 | tail -3
+  # SIGINT, not SIGTERM, at the limit: pytest then still prints what failed and why
+  timeout -s INT 500 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
+    -k "bit_for_bit or exact_verification" >"$OUT/tests.txt" 2>&1
+  grep -E "PASSED|FAILED|ERROR|^E " "$OUT/tests.txt" | head -30
   ;;
 part)
   cp .ggb/part.ab /tmp/gg/
-  python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 --exact-rows-by tiles \
-    --out "$OUT/verify-8b-tiles" 2>&1 | tail -2
+  python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
+    --out "$OUT/verify-8b-exact" 2>&1 | tail -2
   ;;
 copy)
   shift
-  if [ "${1:-}" = tiles ]; then
-    sed -i 's/^EXACT_ROWS_BY = "gemv"$/EXACT_ROWS_BY = "tiles"/' runtime/cuda_ops.py
-    shift
-  fi
-  grep -n "^EXACT_ROWS_BY" runtime/cuda_ops.py
   cp .ggc/part.ac /tmp/gg/
   cat /tmp/gg/part.a? >/tmp/gg/model.gguf
   (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
@@ -55,10 +56,20 @@ copy)
       --ngram-min 3 --rounds 3 --exact-verification --out "$OUT/copy-exact-k$k" 2>&1 | tail -1
   done
   python3 -m benchmarks.speculation verify --shape smollm2 --exact-verify-max-bucket 32 \
-    --exact-rows-by tiles --out "$OUT/verify-smollm2-tiles" 2>&1 | tail -2
+    --out "$OUT/verify-smollm2-exact" 2>&1 | tail -2
+  # the default ranks on this machine, the baseline the exact ranks' speedup is also reported
+  # against (their one-token steps keep the GEMV)
+  timeout 150 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
+    --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -1
+  ;;
+extra)
+  pkill -f "python3 -m ranks" || true  # a cut run's ranks would hold the GPU's memory
+  timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
+  timeout 330 python3 -m benchmarks.decode --out "$OUT/decode-profile" --batches 1,64 \
+    --prompts 2048 --hf-tokens 0 --profile 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: serve, part, copy or one" >&2
+  echo "unknown call $1: serve, part, copy, one or extra" >&2
   exit 2
   ;;
 esac

@@ -493,9 +493,6 @@ def verify_part(args) -> dict:
 
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
-    from runtime import cuda_ops
-
-    cuda_ops.EXACT_ROWS_BY = args.exact_rows_by
     spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
     args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
@@ -552,13 +549,7 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=0,
         help="verify: the runner's option; 32 replays verification rows of up to 32 one-token "
-        "rows from the exact graphs (one-row kernels), 0 through FlashInfer's decode graph",
-    )
-    p.add_argument(
-        "--exact-rows-by",
-        choices=["gemv", "tiles"],
-        default="gemv",
-        help="verify: cuda_ops.EXACT_ROWS_BY, how the exact graphs compute their rows",
+        "rows and one-token steps from the exact graphs, 0 through FlashInfer's decode graph",
     )
     p.add_argument(
         "--exact-verification",

@@ -168,9 +168,9 @@ _KV_DTYPE_HELP = (
 )
 KV_DTYPES = ("auto", "fp8", "model")  # runtime/quant.py's, without importing torch
 _EXACT_VERIFICATION_HELP = (
-    "Speculative decoding on CUDA ranks: verify through one-token kernels, so greedy output "
-    "is the output without speculation bit for bit; a verification then costs several "
-    "one-token steps (docs/performance.md)."
+    "Speculative decoding on CUDA ranks: compute every row of a step of up to 32 as it is "
+    "computed alone, so greedy output is the output without speculation bit for bit; "
+    "one-token steps then give up the one-row GEMV (docs/operations.md)."
 )
 
 

@@ -2,7 +2,7 @@
 CUDA tensors) and the attention classes: FlashInfer's RMSNorm and fused add + RMSNorm, and
 Triton kernels for RoPE with the paged KV write, SiLU-and-multiply, and the one-row products
 of decode at batch 1 (GEMVs, with the add + RMSNorm before qkv and gate_up and the SiLU-mul
-before down fused in; FP8 weights too; inside exact_rows() a few rows each as the one row),
+before down fused in; FP8 weights too; not inside exact_rows(), where rows take one tile),
 and for FP8 weights at more rows, the per-token activation quantization and the FP8 GEMMs.
 FlashInfer and Triton are imported on first use, so this module loads on machines that have
 neither (the CPU reference path never calls it).
@@ -72,38 +72,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def one_row(x: torch.Tensor) -> bool:
     """A decode step of one sequence: its products are GEMVs, which Orbit's kernels run at the
     weight-read rate where cuBLAS spends 1.1-1.7x that (benchmarks/kernels.py --part gemv).
-    Inside exact_rows(), up to HALF_FEW_ROWS rows as well, each row through the one-row GEMV
-    ("gemv"), or none ("tiles")."""
-    rows = x.shape[0]
-    if _exact_tiles():
-        return False
-    return (rows == 1 or (_exact_rows and 1 < rows <= HALF_FEW_ROWS)) and x.is_contiguous()
+    Not inside exact_rows(), where one row takes the few-rows kernel as 32 rows would."""
+    return x.shape[0] == 1 and not _exact_rows and x.is_contiguous()
 
 
 # Set while the runner captures the exact graphs (runtime/cuda_runner.py, --exact-verification):
 # every row of a verification step computed bit for bit as a one-token step computes it, so
-# speculation's greedy output is the output without it (issue 19). EXACT_ROWS_BY says how:
-# - "gemv": each row through the one-row GEMV, which reads a weight block once and multiplies
-#   every row by it in turn; one-token steps keep their GEMV graphs. Exact on the GPU, but the
-#   rows run one after another: about a one-row pass each (H200: SmolLM2-135M's 17-token
-#   verification 5.8 ms, the 8B's 108 ms; docs/performance.md, 2026-12-05).
-# - "tiles": every product of 1 to HALF_FEW_ROWS rows through the few-rows kernel at one tile
-#   and ROWS = HALF_FEW_ROWS whatever the row count, so a row's dot products run the same
-#   instructions alone or among 32 (the rows are the tensor cores' columns, never mixed); the
-#   norms are FlashInfer's, one row a block. One-token steps then replay these graphs too and
-#   give up the GEMV (SmolLM2's two-row graph through this kernel: 0.75 ms against the GEMV's
-#   0.52 for one row). Not yet run on a GPU.
-EXACT_ROWS_BY = "gemv"
+# speculation's greedy output is the output without it (issue 19). Every product of 1 to
+# HALF_FEW_ROWS rows goes through the few-rows kernel at one tile and ROWS = HALF_FEW_ROWS
+# whatever the row count, so a row's dot products run the same instructions alone or among 32
+# (the rows are the tensor cores' columns, never mixed); the norms are FlashInfer's, one row a
+# block. One-token steps replay these graphs too and give up the GEMV: on an H200, one-token
+# steps of SmolLM2-135M took 0.86 ms against 0.60 and a 17-token verification 0.98; the 8B's
+# 4.63 and 5.58 ms (docs/performance.md, 2026-12-06). The first form, each row through the
+# one-row GEMV in turn, was exact too but ran the rows one after another (17 tokens: 5.8 and
+# 108 ms) and is gone.
 _exact_rows = False
-
-
-def _exact_tiles() -> bool:
-    return _exact_rows and EXACT_ROWS_BY == "tiles"
 
 
 @contextlib.contextmanager
 def exact_rows():
-    """Within: the products of up to HALF_FEW_ROWS rows run as EXACT_ROWS_BY says."""
+    """Within: products of 1 to HALF_FEW_ROWS rows as the exact graphs compute them."""
     global _exact_rows
     _exact_rows = True
     try:
@@ -130,7 +119,7 @@ def few_rows(x: torch.Tensor) -> bool:
     """A decode step of a few sequences, or a verification row replayed as one-token rows:
     products that read every weight for a handful of rows, where cuBLAS's GEMMs reach well
     under the weight-read rate (benchmarks/kernels.py --part few)."""
-    least = 1 if _exact_tiles() else 2
+    least = 1 if _exact_rows else 2
     return least <= x.shape[0] <= HALF_FEW_ROWS and x.stride(1) == 1
 
 
@@ -159,7 +148,7 @@ def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     early = _launch_bound(w) and triton_kernels.pdl(x.device)
     # exact rows by tiles: the tile and ROWS of HALF_FEW_ROWS rows for 1 to HALF_FEW_ROWS rows
-    rows = HALF_FEW_ROWS if _exact_tiles() else x.shape[0]
+    rows = HALF_FEW_ROWS if _exact_rows else x.shape[0]
     triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early, rows=rows)
     return out
 
@@ -227,9 +216,8 @@ def linear(
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, bias, scale, block, **fused) -> torch.Tensor:
-    """x's rows (or what `fused` makes of them: triton_kernels.gemv_rows) @ w^T (+ bias)
-    through the GEMV at its tile, FP8 scales applied: one row, or inside exact_rows() each
-    row as one."""
+    """x's row (or what `fused` makes of it: triton_kernels.gemv_rows) @ w^T (+ bias)
+    through the GEMV at its tile, FP8 scales applied."""
     from runtime import triton_kernels
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)

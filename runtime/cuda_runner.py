@@ -36,14 +36,15 @@ A step of decode rows and verification rows (speculative decoding: a row of m to
 samples after each) runs as a decode step too, each verification row as m one-token rows of
 its sequence at consecutive positions (its tokens' KV written before any row attends). Up to
 CudaRunnerOptions.exact_verify_max_bucket rows (ranks started with --exact-verification) it
-replays the bucket's exact graph, captured inside cuda_ops.exact_rows(): every product through
-the one-row GEMV (a weight block read once, multiplied by each row in turn with the one-row
-code) and FusedDecodeAttention(exact=True) (a KV-writing kernel first, then the fused kernel
-reading only, the context split as for one row), so each row's logits and KV are bit for bit
-those of one-row steps, and greedy output with speculation is the output without it
-(tests/gpu: test_verification_rows_equal_one_row_steps_bit_for_bit). Otherwise, and with FP8
-pages, it replays FlashInfer's decode graph of the bucket, whose few-rows products round
-differently from the GEMV.
+replays the bucket's exact graph, captured inside cuda_ops.exact_rows(): every product of 1 to
+32 rows through the few-rows kernel at one tile (a row's dot products the same alone or among
+32), FlashInfer's per-row norms, and FusedDecodeAttention(exact=True) (a KV-writing kernel
+first, then the fused kernel reading only, the context split as for one row); one-token steps
+replay the same graphs, so each row's logits and KV are bit for bit those of one-row steps,
+and greedy output with speculation is the output without it (tests/gpu:
+test_verification_rows_equal_one_row_steps_bit_for_bit). Otherwise, and with FP8 pages, it
+replays FlashInfer's decode graph of the bucket, whose few-rows products round differently
+from the one-row GEMV.
 
 Any other step (prefill chunks, or a mix of prefill chunks and decode rows) is padded to the
 smallest token bucket that holds its tokens and replayed from that bucket's graph: padding
@@ -107,17 +108,18 @@ class CudaRunnerOptions:
     # faster beyond (H200, docs/performance.md). A max bucket of 0 turns it off.
     fused_decode_max_bucket: int = 8
     fused_decode_max_context: int = 2048
-    # Decode buckets of at most this many rows also get a graph for steps with verification
-    # rows (speculative decoding) that computes every row exactly as a one-row step does: the
-    # one-row GEMV and FusedDecodeAttention(exact=True), so greedy output with speculation is
-    # token for token the output without it. Needs the fused one-row graph (it is what the
-    # rows must equal) and model-dtype pages (asked for without them, capture() refuses with a
-    # ValueError: never quietly inexact); replayed up to fused_decode_max_context. 0: off
-    # (verification rows take FlashInfer's decode graph and the few-rows products). Off unless
-    # the ranks run with --exact-verification (ranks/worker.py cuda_runner_options): exact, but
-    # each row costs about one more one-row pass (H200, 2026-12-05 22:40 UTC: SmolLM2-135M's
-    # 17-token verification 5.8 ms against 1.2 through FlashInfer's graph, the 8B's 108 ms
-    # against 5.3; docs/performance.md).
+    # Decode buckets of at most this many rows also get an exact graph, replayed for one-token
+    # steps and verification rows (speculative decoding) alike, which computes every row as
+    # it would alone (cuda_ops.exact_rows: the few-rows kernel at one tile for 1 to 32 rows,
+    # FusedDecodeAttention(exact=True)), so greedy output with speculation is token for token
+    # the output without it. Needs bf16 weights and model-dtype pages (asked for without them,
+    # capture() refuses with a ValueError: never quietly inexact); replayed up to
+    # fused_decode_max_context. 0: off (verification rows take FlashInfer's decode graph and
+    # the few-rows products, one-token steps the GEMV). Off unless the ranks run with
+    # --exact-verification (ranks/worker.py cuda_runner_options): one-token steps give up the
+    # GEMV (H200, 2026-12-06: SmolLM2-135M 0.86 ms against 0.60, the 8B 4.63 against 4.3),
+    # and a 17-token verification costs 1.14x and 1.21x their one-token step
+    # (docs/performance.md).
     exact_verify_max_bucket: int = 0
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
@@ -205,9 +207,6 @@ class CudaGraphRunner:
         self._fused_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._exact: dict[int, FusedDecodeAttention] = {}
         self._exact_graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # Whether one-token decode steps replay the exact graphs too (cuda_ops.EXACT_ROWS_BY
-        # "tiles": there a one-token row is computed by the rows' kernels, not the GEMV).
-        self._exact_decode = False
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
@@ -350,7 +349,6 @@ class CudaGraphRunner:
                 self._exact[bucket] = exact
                 with cuda_ops.exact_rows():
                     self._exact_graphs[bucket] = self._capture_decode(bucket, exact, pool)
-        self._exact_decode = bool(self._exact) and cuda_ops.EXACT_ROWS_BY == "tiles"
         torch.cuda.synchronize()
         log.info(
             "captured prefill graphs for token buckets %s and decode graphs for batch buckets "
@@ -366,21 +364,16 @@ class CudaGraphRunner:
         opts = self.options
         if not opts.exact_verify_max_bucket:
             return 0
-        if opts.kv_quant is not None:  # the two paths write FP8 pages by different kernels
+        if opts.kv_quant is not None:  # not yet checked on a GPU with FP8 pages
             raise ValueError(
                 "exact verification needs KV pages of the model's dtype, not FP8; pass "
                 "--kv-dtype model or drop --exact-verification"
             )
-        if opts.fused_decode_max_bucket < 1:
-            raise ValueError(
-                "exact verification equals the fused one-row decode graph, which is off "
-                "(fused_decode_max_bucket 0)"
-            )
-        if cuda_ops.EXACT_ROWS_BY == "tiles" and any(
+        if any(  # the few-rows kernel's exact tile is bf16's
             isinstance(getattr(m, "mm", None), Fp8Matmul) for m in self.model.modules()
         ):
             raise ValueError(
-                "exact verification by tiles takes bf16 weights; this package's are FP8: drop "
+                "exact verification takes bf16 weights; this package's are FP8: drop "
                 "--exact-verification"
             )
         return opts.exact_verify_max_bucket
@@ -451,7 +444,7 @@ class CudaGraphRunner:
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
         short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
-        if verification or self._exact_decode:
+        if verification or self._exact:
             attns, graphs = self._exact, self._exact_graphs
         else:
             attns, graphs = self._fused, self._fused_graphs

@@ -594,7 +594,6 @@ def _gemv_rows_kernel(
     y_ptr,
     N,
     eps,
-    x_stride,
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -608,7 +607,6 @@ def _gemv_rows_kernel(
     W_SCALE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
-    M: tl.constexpr,
 ):
     # W_SCALE: 0 a dense w; 1 float8 w with one scale per row; 2 float8 w with one scale per
     # (BLOCK_ROWS x BLOCK_COLS) block, SCALE_COLS blocks a row. The scales multiply the dot
@@ -617,15 +615,6 @@ def _gemv_rows_kernel(
     # ... of w with the whole K in one tile, so the activation row is read (and normalised)
     # once per program rather than once per row block, and the next block's weights are in
     # flight while the current one is multiplied.
-    # M > 1 activation rows (verification rows that must equal one-row steps bit for bit):
-    # each weight block, read once, multiplies every row in turn, each row prepared by the
-    # same code (_gemv_input) and multiplied by the same code (_gemv_block) as the one row,
-    # so a row's result is the one it gets alone; its preparation is redone per block. The
-    # rows' loop stays rolled: 47-48 registers on SmolLM2's shapes and 102-156 on the 8B's
-    # (bf16 and FP8, no spills; sm90 cubins compiled on the CPU), where wholly unrolled at 17
-    # rows the 8B's down spills 272 bytes and SmolLM2's 17-row verification was slower on an
-    # H200 (7.6 ms against 5.8). The rows are serial: each costs about one more one-row pass
-    # (docs/performance.md, 2026-12-05 22:40 UTC).
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_K)
@@ -643,11 +632,10 @@ def _gemv_rows_kernel(
         gdc_wait()
         gdc_launch_dependents()
     dtype = y_ptr.dtype.element_ty
-    if M == 1:
-        xk = _gemv_input(
-            x_ptr, res_ptr, norm_w_ptr, res_out_ptr, cols, col_ok, eps, pid == 0, dtype,
-            K, NORM, ADD_RESIDUAL, SILU_MUL,
-        )  # fmt: skip
+    xk = _gemv_input(
+        x_ptr, res_ptr, norm_w_ptr, res_out_ptr, cols, col_ok, eps, pid == 0, dtype,
+        K, NORM, ADD_RESIDUAL, SILU_MUL,
+    )  # fmt: skip
     for blk in range(pid, num_blocks, num_programs):
         rows = blk * BLOCK_N + r
         nxt = (blk + num_programs) * BLOCK_N + r
@@ -657,21 +645,10 @@ def _gemv_rows_kernel(
             other=0.0,
             eviction_policy="evict_first",
         )
-        if M == 1:
-            _gemv_block(
-                w, xk, rows, y_ptr, b_ptr, w_scale_ptr, N,
-                BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
-            )  # fmt: skip
-        else:
-            for m in tl.range(M, loop_unroll_factor=1):
-                xm = _gemv_input(
-                    x_ptr + m * x_stride, res_ptr + m * K, norm_w_ptr, res_out_ptr + m * K,
-                    cols, col_ok, eps, blk == 0, dtype, K, NORM, ADD_RESIDUAL, SILU_MUL,
-                )  # fmt: skip
-                _gemv_block(
-                    w, xm, rows, y_ptr + m * N, b_ptr, w_scale_ptr, N,
-                    BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
-                )  # fmt: skip
+        _gemv_block(
+            w, xk, rows, y_ptr, b_ptr, w_scale_ptr, N,
+            BLOCK_N, BLOCK_K, HAS_BIAS, SCALE_COLS, W_SCALE, BLOCK_ROWS, BLOCK_COLS,
+        )  # fmt: skip
         w = w_next
 
 
@@ -689,15 +666,13 @@ def gemv_rows(
     w_scale=None,
     w_block=None,
 ) -> None:
-    """The persistent GEMV: out [M, N] = a [M, K] @ w [N, K]^T (+ bias), where a is x,
+    """The persistent GEMV: out [1, N] = a [1, K] @ w [N, K]^T (+ bias), where a is x,
     or silu(gate) * up of x = [gate | up] (silu_mul), or with norm_weight
     rmsnorm(x (+ residual)) * norm_weight, writing x + residual to residual_out. tile =
-    (BLOCK_N, num_warps, programs per SM) of one row; M rows share the programs, each row
-    computed exactly as alone. x, residual, residual_out, out contiguous. w_scale: a float8
-    w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block of w_block =
-    (rows, cols), both powers of 2."""
+    (BLOCK_N, num_warps, programs per SM). x, residual, residual_out, out contiguous.
+    w_scale: a float8 w's scales, [N] per row or [ceil(N / rows), ceil(K / cols)] per block
+    of w_block = (rows, cols), both powers of 2."""
     n, k = w.shape
-    m = x.shape[0]
     block_n, warps, per_sm = tile
     scaled = dict(w_scale_ptr=w, SCALE_COLS=0, W_SCALE=0, BLOCK_ROWS=1, BLOCK_COLS=1)
     block_k = triton.next_power_of_2(k)
@@ -725,11 +700,9 @@ def gemv_rows(
         out,
         n,
         eps,
-        x.stride(0),
         K=k,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        M=m,
         NORM=norm_weight is not None,
         ADD_RESIDUAL=residual is not None,
         SILU_MUL=silu_mul,

@@ -145,33 +145,11 @@ def check_decode_attention(worst: dict) -> None:
         note(worst, "decode_kv_write", got_cache, expected_cache)
 
 
-def check_exact_rows(worst: dict) -> None:
-    """Inside cuda_ops.exact_rows(), a few rows through the one-row GEMV (plain with bias, the
-    add + RMSNorm with its stream, the SiLU-mul) equal each row through it alone, exactly:
-    worst absolute difference as exact_gemv (0 required)."""
-    n, k, m = 37, 300, 5
-    w = torch.randn(n, k) / k**0.5
-    bias, nw = torch.randn(n), torch.rand(k) + 0.5
-    x, residual, gate_up = torch.randn(m, k), torch.randn(m, k), torch.randn(m, 2 * k)
-
-    def products(x, residual, gate_up):
-        out, stream = cuda_ops.norm_linear(x, residual, nw, 1e-5, w, None)
-        return torch.cat([cuda_ops.linear(x, w, bias), out, stream,
-                          cuda_ops.silu_and_mul_linear(gate_up, w)], 1)  # fmt: skip
-
-    with cuda_ops.exact_rows():
-        assert cuda_ops.one_row(x)
-        together = products(x, residual, gate_up)
-    alone = torch.cat([products(x[i : i + 1], residual[i : i + 1], gate_up[i : i + 1])
-                       for i in range(m)])  # fmt: skip
-    worst["exact_gemv"] = (together - alone).abs().max().item()
-
-
 def check_exact_tiles(worst: dict) -> None:
-    """cuda_ops.EXACT_ROWS_BY = "tiles": inside exact_rows() one row and a few take the
-    few-rows kernel at one tile and ROWS, so rows together equal each row alone exactly
-    (exact_tiles, 0 required; the padding rows' masks and the row stride are what it checks
-    here, the tensor cores' column independence is for a GPU to show)."""
+    """Inside cuda_ops.exact_rows() one row and a few take the few-rows kernel at one tile and
+    ROWS, so rows together equal each row alone exactly (exact_tiles, 0 required; the padding
+    rows' masks and the row stride are what it checks here, the tensor cores' column
+    independence is for a GPU to show)."""
     n, k, m = 40, 300, 17
     w, bias = torch.randn(n, k) / k**0.5, torch.randn(n)
     x, gate_up = torch.randn(m, k), torch.randn(m, 2 * k)
@@ -179,14 +157,10 @@ def check_exact_tiles(worst: dict) -> None:
     def products(x, gate_up):
         return torch.cat([cuda_ops.linear(x, w, bias), cuda_ops.silu_and_mul_linear(gate_up, w)], 1)
 
-    cuda_ops.EXACT_ROWS_BY = "tiles"
-    try:
-        with cuda_ops.exact_rows():
-            assert not cuda_ops.one_row(x[:1]) and cuda_ops.few_rows(x[:1])
-            together = products(x, gate_up)
-            alone = torch.cat([products(x[i : i + 1], gate_up[i : i + 1]) for i in range(m)])
-    finally:
-        cuda_ops.EXACT_ROWS_BY = "gemv"
+    with cuda_ops.exact_rows():
+        assert not cuda_ops.one_row(x[:1]) and cuda_ops.few_rows(x[:1])
+        together = products(x, gate_up)
+        alone = torch.cat([products(x[i : i + 1], gate_up[i : i + 1]) for i in range(m)])
     expected = torch.cat([x @ w.T + bias, cuda_ops.silu_and_mul(gate_up) @ w.T], 1)
     note(worst, "tiles", together, expected)
     worst["exact_tiles"] = (together - alone).abs().max().item()
@@ -236,7 +210,6 @@ def main() -> int:
     check_gemv(worst)
     check_rope_and_silu(worst)
     check_decode_attention(worst)
-    check_exact_rows(worst)
     check_exact_tiles(worst)
     check_exact_attention(worst)
     print(json.dumps(worst))

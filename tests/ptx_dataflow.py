@@ -5,7 +5,7 @@ from global memory a leaf named by the pointer parameters its address came from,
 and address arithmetic reduced to the parameters and special registers it came from. Two
 kernels whose stored values have the same hashes compute them by the same operations in the
 same order, whatever their registers, their instruction schedule or their loops
-(tests/test_kernels_compile.py compares the GEMV at one row with its loop over several).
+(tests/test_kernels_compile.py compares the exact rows' attention with the one-row kernel).
 
 PTX registers are virtual and mostly assigned once, wherever the block that assigns them lies
 in the text. A register assigned more than once (a loop's carried value) is read as its latest

@@ -39,11 +39,10 @@ def test_triton_kernels_match_pytorch_in_the_interpreter():
         "silu_mul",
         "decode_attention",
         "decode_kv_write",
-        "exact_gemv",
         "tiles",
         "exact_tiles",
         "exact_attention",
     }
     assert all(v <= 1e-5 for v in worst.values()), worst
     # rows computed together equal the same rows alone, bit for bit
-    assert worst["exact_gemv"] == worst["exact_tiles"] == worst["exact_attention"] == 0.0, worst
+    assert worst["exact_tiles"] == worst["exact_attention"] == 0.0, worst

@@ -1,15 +1,10 @@
 """Orbit's Triton GEMV, few-rows product and fused decode attention compiled for Hopper (sm90)
 on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
 captures must compile, the GEMV must not spill registers to local memory (a spilled variant
-is correct but slow), and the GEMV of several rows must compute each row by the one-row
-GEMV's dataflow (tests/ptx_dataflow.py). The interpreter tests
+is correct but slow), and the exact verification rows' attention must compute each row by
+the one-row kernel's dataflow (tests/ptx_dataflow.py). The interpreter tests
 (tests/test_interpreted_kernels.py) check what the kernels compute; these check that the
-compiled form exists, fits and keeps the exact rows' promise, which the interpreter cannot.
-
-The GEMV of several rows (cuda_ops.exact_rows, verification rows equal to one-row steps) keeps
-its loop over the rows rolled: wholly unrolled at 17 rows, the 8B's down projection spilled 272
-bytes of stack a thread (and on an H200 SmolLM2's verification was slower); rolled, no shape
-spills."""
+compiled form exists, fits and keeps the exact rows' promise, which the interpreter cannot."""
 
 from __future__ import annotations
 
@@ -75,7 +70,6 @@ GEMV_TYPES = {
     "w_scale_ptr": "*bf16",
     "N": "i32",
     "eps": "fp32",
-    "x_stride": "i32",
 }
 
 # (K, BLOCK_N, warps, what is fused in, FP8 scales: 0 none, 1 per row, 2 per 128 x 128 block)
@@ -92,9 +86,9 @@ GEMV_SHAPES = {
 }
 
 
-def _gemv(shape: str, rows: int, warps: int | None = None):
-    """The GEMV of GEMV_SHAPES[shape] for `rows` rows, at the tile's warps or `warps`."""
-    k, block_n, tile_warps, fused, scales = GEMV_SHAPES[shape]
+def _gemv(shape: str):
+    """The GEMV of GEMV_SHAPES[shape] at its tile."""
+    k, block_n, warps, fused, scales = GEMV_SHAPES[shape]
     block = 128 if scales == 2 else 1
     constexprs = {
         "K": k,
@@ -109,43 +103,26 @@ def _gemv(shape: str, rows: int, warps: int | None = None):
         "W_SCALE": scales,
         "BLOCK_ROWS": block,
         "BLOCK_COLS": block,
-        "M": rows,
     }
     types = dict(GEMV_TYPES)
     if scales:
         types.update(w_ptr="*fp8e4nv", w_scale_ptr="*fp32")
-    return compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps or tile_warps)
+    return compile_sm90(triton_kernels._gemv_rows_kernel, types, constexprs, warps)
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
 @pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
-@pytest.mark.parametrize("rows", [1, 17])
-def test_gemv_compiles_for_hopper_without_spills(shape, rows, tmp_path):
-    used = resources(_gemv(shape, rows), tmp_path)
-    assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape} at {rows} rows spills: {used}"
+def test_gemv_compiles_for_hopper_without_spills(shape, tmp_path):
+    used = resources(_gemv(shape), tmp_path)
+    assert used["STACK"] == 0 and used["LOCAL"] == 0, f"{shape} spills: {used}"
     assert used["REG"] <= 255
-
-
-@pytest.mark.parametrize("shape", sorted(GEMV_SHAPES))
-def test_exact_rows_gemv_computes_each_row_as_the_one_row_gemv(shape):
-    """The verification rows' bit-for-bit promise (cuda_ops.exact_rows) at the compiled level:
-    every value the 17-row GEMV stores is computed by the same tree of floating-point
-    operations, shuffles and shared-memory exchanges as a value of the one-row GEMV
-    (tests/ptx_dataflow.py), and the check is not blind: the one-row GEMV at half its warps,
-    which sums in another order, differs."""
-    from tests.ptx_dataflow import stored_values
-
-    one_row = stored_values(_gemv(shape, 1).asm["ptx"])
-    assert stored_values(_gemv(shape, 17).asm["ptx"]) == one_row
-    half_warps = _gemv(shape, 1, warps=GEMV_SHAPES[shape][2] // 2)
-    assert stored_values(half_warps.asm["ptx"]) != one_row
 
 
 # (N, K, rows, fp8) of few-rows products, launched as cuda_ops launches them: SmolLM2-135M's
 # qkv and down early (small weights: EARLY_LAUNCH_WEIGHTS), the 8B's qkv and down and its qkv
-# in FP8 (per-row scales) plainly; at 32 rows also as the exact graphs by tiles launch every 1
-# to 32 rows (cuda_ops.EXACT_ROWS_BY "tiles": ROWS 32 and the 32-row tile), SmolLM2's LM head
-# and the 8B's down among them
+# in FP8 (per-row scales) plainly; at 32 rows also as the exact graphs launch every 1 to 32
+# rows (cuda_ops.exact_rows: ROWS 32 and the 32-row tile), SmolLM2's LM head and the 8B's down
+# among them
 FEW_ROWS_CASES = {
     "smollm2_qkv": (960, 576, 17, False),
     "smollm2_down": (576, 1536, 8, False),

@@ -452,10 +452,11 @@ def test_exact_verification_reaches_local_and_cluster_ranks(tmp_path):
 
 
 def test_exact_verification_where_it_cannot_be_exact_is_refused():
-    """A CUDA runner asked for exact verification with FP8 KV pages (the one-token and the
-    verification path write them through different kernels) refuses at capture, naming the
-    fix, rather than serving inexact rows; without the ask nothing is checked."""
+    """A CUDA runner asked for exact verification with FP8 KV pages (not yet checked on a GPU)
+    or FP8 weights (the exact tile is bf16's) refuses at capture, naming the fix, rather than
+    serving inexact rows; without the ask nothing is checked."""
     from runtime.cuda_runner import CudaGraphRunner, CudaRunnerOptions
+    from runtime.matmul import Fp8Matmul
     from runtime.quant import KVQuant
 
     runner = object.__new__(CudaGraphRunner)  # the check reads the options alone: no GPU here
@@ -464,6 +465,10 @@ def test_exact_verification_where_it_cannot_be_exact_is_refused():
         runner._exact_max_bucket()
     runner.options = CudaRunnerOptions(exact_verify_max_bucket=0, kv_quant=KVQuant.unit(2))
     assert runner._exact_max_bucket() == 0
-    runner.options = CudaRunnerOptions(exact_verify_max_bucket=32, fused_decode_max_bucket=0)
-    with pytest.raises(ValueError, match="fused one-row decode graph"):
+    layer = torch.nn.Module()
+    runner.model = torch.nn.Sequential(layer)
+    runner.options = CudaRunnerOptions(exact_verify_max_bucket=32)
+    assert runner._exact_max_bucket() == 32  # bf16 weights
+    layer.mm = object.__new__(Fp8Matmul)
+    with pytest.raises(ValueError, match="takes bf16 weights; this package's are FP8"):
         runner._exact_max_bucket()

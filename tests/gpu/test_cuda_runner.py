@@ -20,7 +20,6 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run through the device tool)", allow_module_level=True)
 
-from runtime import cuda_ops
 from runtime.cuda_runner import BucketError
 from runtime.layers import TPGroup
 from runtime.runner import SeqInput
@@ -247,12 +246,10 @@ def test_fed_tokens_equal_host_tokens(llama):
         tokens = host.argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("by", ["gemv", "tiles"])
-def test_verification_rows_equal_one_row_steps_bit_for_bit(llama, report, monkeypatch, by):
+def test_verification_rows_equal_one_row_steps_bit_for_bit(llama, report):
     """As tests/gpu/test_smollm2_arch.py checks it, at head_dim 128 and wider weights."""
     _, spec, tensors, _, _ = llama
-    monkeypatch.setattr(cuda_ops, "EXACT_ROWS_BY", by)
     runner = models.cuda_runner(spec, tensors, TPGroup(), exact_verify_max_bucket=32)
     diff = steps.verification_vs_one_row_steps(runner, spec.vocab_size, seed=44)
-    report(f"verification_vs_one_row_steps_{by}", **diff)
+    report("verification_vs_one_row_steps", **diff)
     assert diff == {"logits_max_abs_diff": 0.0, "kv_max_abs_diff": 0.0}

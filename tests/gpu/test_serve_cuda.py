@@ -21,7 +21,6 @@ import httpx
 import pytest
 import torch
 
-from runtime import cuda_ops
 from tests.gpu.models import llama_config
 from tests.server import ServerProcess
 
@@ -199,9 +198,8 @@ def test_exact_verification_gives_the_plain_gpu_text(packages, report):
     """`--exact-verification`: the bf16 package drafting for itself with its verification rows
     computed as one-token steps (the exact graphs), against the same package on the GPU
     without speculation: the greedy tokens are identical to the end on every prompt (no
-    near-tie allowance). With the exact rows by the GEMV (cuda_ops.EXACT_ROWS_BY "gemv") every
-    proposal is kept too, since the draft's one-row steps (GEMV graphs) round exactly as the
-    verifier's rows then do; by tiles the draft's steps round otherwise, and most are kept."""
+    near-tie allowance). Most proposals are kept: the draft's one-row steps (GEMV graphs)
+    round otherwise than the verifier's exact rows, so a near-tie may part them."""
     name_args = ("--model-name", MODEL, "--device", "cuda")
     with ServerProcess(packages["bfloat16"], *name_args) as plain:
         reference = [_greedy(plain, p)[1] for p in PROMPTS]
@@ -217,7 +215,4 @@ def test_exact_verification_gives_the_plain_gpu_text(packages, report):
     ]
     report("serve_cuda_exact_verification", tokens_equal=same, proposed=proposed, kept=kept)
     assert got == reference
-    if cuda_ops.EXACT_ROWS_BY == "gemv":
-        assert kept == proposed > 0
-    else:
-        assert kept > 0.5 * proposed > 0
+    assert kept > 0.5 * proposed > 0

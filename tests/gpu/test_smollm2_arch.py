@@ -11,7 +11,6 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU (run through the device tool)", allow_module_level=True)
 
-from runtime import cuda_ops
 from runtime.layers import TPGroup
 from tests.gpu import compare, models, steps
 from tests.gpu.compare import (
@@ -56,17 +55,15 @@ def test_smollm2_arch_greedy_matches_cpu_reference(smollm2, report):
     report("smollm2_arch_greedy_vs_cpu_reference", tokens_agreeing=agree, max_new=32)
 
 
-@pytest.mark.parametrize("by", ["gemv", "tiles"])
-def test_verification_rows_equal_one_row_steps_bit_for_bit(smollm2, report, monkeypatch, by):
-    """The exact verification graph (runtime/cuda_runner.py), its rows computed either way
-    (cuda_ops.EXACT_ROWS_BY): speculation's greedy output is the output without it because a
-    verification row's logits and KV are the one-row steps' to the bit."""
+def test_verification_rows_equal_one_row_steps_bit_for_bit(smollm2, report):
+    """The exact verification graph (runtime/cuda_runner.py): speculation's greedy output is
+    the output without it because a verification row's logits and KV are the one-row steps'
+    to the bit."""
     _, spec, tensors, plain = smollm2
-    monkeypatch.setattr(cuda_ops, "EXACT_ROWS_BY", by)
     runner = models.cuda_runner(spec, tensors, TPGroup(), exact_verify_max_bucket=32)
     diff = steps.verification_vs_one_row_steps(runner, spec.vocab_size, seed=43)
     # the control: without the exact graphs the rows take other kernels and round otherwise
     other = steps.verification_vs_one_row_steps(plain, spec.vocab_size, seed=43)
-    report(f"smollm2_arch_verification_vs_one_row_steps_{by}", exact=diff, flashinfer_graph=other)
+    report("smollm2_arch_verification_vs_one_row_steps", exact=diff, flashinfer_graph=other)
     assert diff == {"logits_max_abs_diff": 0.0, "kv_max_abs_diff": 0.0}
     assert other["logits_max_abs_diff"] > 0.0
