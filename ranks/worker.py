@@ -110,6 +110,7 @@ class Rank:
             startup_s=phases.elapsed_s(),
             kv_dtype=str(runner.kv.dtype).removeprefix("torch."),
             draft_digest=draft.digest if draft is not None else "",
+            exact_rows=runner.exact_rows if cfg.device == "cuda" else 0,
         )
         if check is not None:
             self.ready.MergeFrom(wire_pb2.Ready(**dataclasses.asdict(check)))

@@ -358,6 +358,11 @@ class CudaGraphRunner:
             (torch.cuda.memory_reserved() - before) / 2**20,
         )
 
+    @property
+    def exact_rows(self) -> int:
+        """Decode steps of up to this many rows replay an exact graph (0: none captured)."""
+        return max(self._exact, default=0)
+
     def _exact_max_bucket(self) -> int:
         """The largest bucket that gets an exact verification graph (0: none). Asked for where
         it cannot be exact, it is refused rather than quietly left out."""

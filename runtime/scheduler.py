@@ -120,6 +120,11 @@ class SchedulerConfig:
     prefix_cache: bool = True
     cache_salt: bytes = b""  # names what else shapes the KV (the package digest)
     speculation: SpeculationConfig | None = None
+    # Decode steps of up to this many rows compute each row as it is computed alone (the
+    # ranks' exact graphs, --exact-verification; 0: none): proposals are capped so that a
+    # step of decode and verification rows stays within them, and a request's greedy output
+    # is then the same batched or alone, with speculation or without.
+    exact_rows: int = 0
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -265,6 +270,8 @@ class Scheduler:
             # row, and the step samples at most max_batch rows.
             later = len(decoding) - i
             room = min(budget - later, self.config.max_batch - extra - len(decoding))
+            if self.config.exact_rows:
+                room = max(0, min(room, self.config.exact_rows - extra - len(decoding)))
             chunk = self._chain(seq, room, step_id) if seq.verifying else None
             if chunk is None and seq.verifying:
                 if seq.verifying[0].verifies:

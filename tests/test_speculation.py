@@ -183,6 +183,52 @@ def test_a_verification_never_passes_the_step_limits():
     assert verified > 0
 
 
+def _decode_step_rows(steps: list) -> list[int]:
+    """Rows of each planned step made only of decode and verification rows (the steps the
+    ranks run through their decode graphs)."""
+    return [
+        sum(c.num_tokens for c in step.chunks)
+        for step in steps
+        if all(c.sample and c.num_tokens == c.num_samples for c in step.chunks)
+    ]
+
+
+@pytest.mark.parametrize("exact_rows", [0, 12])
+def test_exact_rows_cap_what_a_step_of_decode_and_verification_rows_holds(exact_rows):
+    """With the ranks' exact graphs (SchedulerConfig.exact_rows, --exact-verification) the
+    proposals of sequences decoding together are cut so that such a step never holds more
+    rows than the graphs (where each row is computed as alone); without, it may (the
+    control), and either way the outputs are those without speculation."""
+    prompts, max_tokens = _prompts(4, seed=11), [60] * 4
+    kw = {"max_batch": 64, "max_step_tokens": 128, "exact_rows": exact_rows}
+    without, _, _ = _run(None, prompts, max_tokens, **kw)
+    sched = Scheduler(_config(SpeculationConfig(num_tokens=16), **kw))
+    planned = []
+    original = sched.schedule
+
+    def schedule():
+        step = original()
+        planned.append(step)
+        return step
+
+    sched.schedule = schedule
+    rank = RankModel(sched.config.page_size)
+    seqs = [
+        Sequence(i + 1, list(p), m, SamplingParams())
+        for i, (p, m) in enumerate(zip(prompts, max_tokens))
+    ]
+    for s in seqs:
+        sched.add(s)
+    _drive(sched, rank, _context_model(rank), 2)
+    assert [(s.output_ids, s.finish_reason) for s in seqs] == without
+    assert sched.spec_kept > 0
+    rows = _decode_step_rows([s for s in planned if s is not None])
+    if exact_rows:
+        assert max(rows) <= exact_rows
+    else:
+        assert max(rows) > 12
+
+
 def test_a_sequence_whose_proposals_fail_pauses_and_is_planned_ahead_again():
     # Draws from 5 tokens at random: n-grams match often, and their proposals mostly fail.
     def draw(seq, pos):
