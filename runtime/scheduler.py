@@ -122,8 +122,8 @@ class SchedulerConfig:
     speculation: SpeculationConfig | None = None
     # Decode steps of up to this many rows compute each row as it is computed alone (the
     # ranks' exact graphs, --exact-verification; 0: none): proposals are capped so that a
-    # step of decode and verification rows stays within them, and a request's greedy output
-    # is then the same batched or alone, with speculation or without.
+    # step of decode and verification rows stays within them, where batching and
+    # speculation change no row's rounding (a step with a prompt chunk is not one of them).
     exact_rows: int = 0
 
     def pages_for(self, num_tokens: int) -> int:
