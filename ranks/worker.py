@@ -353,8 +353,8 @@ class Rank:
 
 def cuda_runner_options(cfg: RankConfig, kv_quant, shared_page_bytes: int):
     """The served model's CudaRunnerOptions from the rank's settings: with exact verification,
-    an exact graph for every decode bucket that a verification step's one-token rows can take
-    through the one-row kernels (cuda_ops.HALF_FEW_ROWS rows at most)."""
+    an exact graph for every decode bucket of up to cuda_ops.HALF_FEW_ROWS rows (the rows its
+    one tile computes each as alone)."""
     from runtime import cuda_ops
     from runtime.cuda_runner import CudaRunnerOptions
 
