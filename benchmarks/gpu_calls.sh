@@ -63,7 +63,7 @@ copy)
     --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -1
   ;;
 extra)
-  pkill -f "python3 -m ranks" || true  # a cut run's ranks would hold the GPU's memory
+  pkill -f " -m ranks " || true  # a cut run's ranks would hold the GPU's memory
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   timeout 330 python3 -m benchmarks.decode --out "$OUT/decode-profile" --batches 1,64 \
     --prompts 2048 --hf-tokens 0 --profile 2>&1 | tail -4
