@@ -147,7 +147,7 @@ def _few_rows_mm(x: torch.Tensor, w: torch.Tensor, bias) -> torch.Tensor:
 
     out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
     early = _launch_bound(w) and triton_kernels.pdl(x.device)
-    # exact rows by tiles: the tile and ROWS of HALF_FEW_ROWS rows for 1 to HALF_FEW_ROWS rows
+    # inside exact_rows(): the tile and ROWS of HALF_FEW_ROWS rows for 1 to HALF_FEW_ROWS rows
     rows = HALF_FEW_ROWS if _exact_rows else x.shape[0]
     triton_kernels.few_rows_mm(x, w, bias, out, _few_tile(*w.shape, rows), early=early, rows=rows)
     return out

@@ -347,7 +347,7 @@ class Engine:
                 prefix_cache=c.prefix_cache,
                 cache_salt=c.cache_salt,
                 speculation=c.speculation,
-                exact_rows=min(r.ready.exact_rows for r in self.link.ranks),
+                exact_rows=self.link.exact_rows,
             )
         )
         self._ready = True

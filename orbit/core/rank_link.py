@@ -97,6 +97,12 @@ class RankLink:
         return min(r.ready.num_kv_pages for r in self.ranks)
 
     @property
+    def exact_rows(self) -> int:
+        """Decode steps of up to this many rows that every rank computes as each row alone
+        (--exact-verification's graphs; 0 without them, or from ranks older than the field)."""
+        return min(r.ready.exact_rows for r in self.ranks)
+
+    @property
     def kv_dtype(self) -> str:
         """What the ranks' KV pages hold ("bfloat16", "float8_e4m3fn", ...; "" when the ranks
         predate the field); every rank of a group runs the same --kv-dtype."""
