@@ -6,7 +6,8 @@
 #   carry [".gpu", ".gputok", ".gga", ".whl"]:  bash benchmarks/gpu_calls.sh serve
 #   carry [".ggb"]:                              bash benchmarks/gpu_calls.sh part
 #   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy K [K ...]
-# or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one.
+# or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one
+# (serve's tests alone).
 # extra (carry nothing more, after any of them): issue 20's FP8 tiles on this card, then issue
 # 18's decode profile of the 8B (items 2 and 3 of NOTES-gpu.md's list).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
@@ -23,13 +24,11 @@ mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
 case "${1:?serve, part, copy, one or extra}" in
-one)  # with too little device time for three calls: serve's tests and part's timing
+one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
     -k "bit_for_bit or exact_verification" >"$OUT/tests.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR|^E " "$OUT/tests.txt" | head -30
-  timeout 150 python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
-    --out "$OUT/verify-8b-exact" 2>&1 | tail -2
   ;;
 serve)
   cp .gga/part.aa /tmp/gg/

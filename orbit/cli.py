@@ -147,14 +147,14 @@ def _speculation(
         fail(f"--speculate/--spec-tokens/--ngram-min: {e}.")
 
 
-def _check_exact_verification(exact: bool, speculate: str, cluster: Path | None) -> None:
+def _check_exact_verification(exact: bool, cluster: Path | None) -> None:
+    # Alone (without --speculate) it is allowed: those ranks' output is what the same ranks
+    # with speculation must equal, so it is the reference to compare them against.
     if exact and cluster is not None:
         fail(
             "--exact-verification is the ranks' setting and orbit up starts them: pass it to "
             "orbit up, and serve with --speculate alone."
         )
-    if exact and speculate == "off":
-        fail("--exact-verification is for speculative decoding: pass --speculate ngram or draft.")
 
 
 def _check_draft_path(draft: Path | None) -> None:
@@ -169,8 +169,9 @@ _KV_DTYPE_HELP = (
 KV_DTYPES = ("auto", "fp8", "model")  # runtime/quant.py's, without importing torch
 _EXACT_VERIFICATION_HELP = (
     "Speculative decoding on CUDA ranks: compute every row of a step of up to 32 as it is "
-    "computed alone, so greedy output is the output without speculation bit for bit; "
-    "one-token steps then give up the one-row GEMV (docs/operations.md)."
+    "computed alone, so greedy output with --speculate is bit for bit these ranks' output "
+    "without it (this flag alone); one-token steps then give up the one-row GEMV "
+    "(docs/operations.md)."
 )
 
 
@@ -341,7 +342,7 @@ def serve(
     if stream_interval < 1:
         fail(f"--stream-interval must be 1 or more, not {stream_interval}.")
     speculation = _speculation(speculate, spec_tokens, ngram_min, draft, cluster)
-    _check_exact_verification(exact_verification, speculate, cluster)
+    _check_exact_verification(exact_verification, cluster)
     try:  # mistakes found in seconds, before anything heavy is imported or loaded
         checks = EarlyChecks(package, device, host, port, log_level, model_name, max_model_len)
         log_level, template = early_checks(checks, chat_template, local=cluster is None)

@@ -223,7 +223,6 @@ def test_an_invalid_chat_template_is_refused_at_start(tiny_pkg, tmp_path):
         (("--speculate", "ngram", "--spec-tokens", "0"), "speculative tokens must be 1 to 16"),
         (("--speculate", "ngram", "--ngram-min", "0"), "n-gram sizes must satisfy 1 <= min"),
         (("--ngram-min", "3"), "--ngram-min is for --speculate ngram, not off"),
-        (("--exact-verification",), "--exact-verification is for speculative decoding"),
         (
             ("--speculate", "ngram", "--exact-verification", "--cluster", "c.toml"),
             "--exact-verification is the ranks' setting and orbit up starts them",
@@ -449,6 +448,21 @@ def test_exact_verification_reaches_local_and_cluster_ranks(tmp_path):
     default = launch_fingerprint(config, UpOptions())
     assert launch_fingerprint(config, UpOptions(exact_verification=False)) == default
     assert launch_fingerprint(config, UpOptions(exact_verification=True)) != default
+
+
+def test_exact_verification_alone_serves_the_reference(tiny_pkg, tiny_server):
+    """--exact-verification without --speculate starts and serves: those ranks' output is what
+    the same ranks with speculation must equal bit for bit. A CPU rank has no exact graphs to
+    switch to, so its greedy text is the default server's."""
+    args = ("--kv-pages", "256", "--model-name", "tiny", "--exact-verification")
+    with ServerProcess(tiny_pkg, *args) as server:
+        texts = [
+            _client(s).completions.create(
+                model="tiny", prompt="one two three", max_tokens=12, temperature=0
+            ).choices[0].text
+            for s in (server, tiny_server)
+        ]
+    assert texts[0] == texts[1] and texts[0]
 
 
 def test_exact_verification_where_it_cannot_be_exact_is_refused():

@@ -196,15 +196,17 @@ def test_draft_speculation_on_gpu_matches_cpu_reference(packages, report):
 
 def test_exact_verification_gives_the_plain_gpu_text(packages, report):
     """`--exact-verification`: the bf16 package drafting for itself with its verification rows
-    computed as one-token steps (the exact graphs), against the same package on the GPU
-    without speculation: the greedy tokens are identical to the end on every prompt (no
-    near-tie allowance). Most proposals are kept: the draft's one-row steps (GEMV graphs)
-    round otherwise than the verifier's exact rows, so a near-tie may part them."""
-    name_args = ("--model-name", MODEL, "--device", "cuda")
+    computed as one-token steps (the exact graphs), against the same ranks without
+    speculation (the flag alone: their one-token steps replay the exact graphs too, where the
+    default ranks' take the one-row GEMV, which rounds otherwise): the greedy tokens are
+    identical to the end on every prompt (no near-tie allowance). Most proposals are kept: the
+    draft's one-row steps (GEMV graphs) round otherwise than the verifier's exact rows, so a
+    near-tie may part them."""
+    name_args = ("--model-name", MODEL, "--device", "cuda", "--exact-verification")
     with ServerProcess(packages["bfloat16"], *name_args) as plain:
         reference = [_greedy(plain, p)[1] for p in PROMPTS]
-    exact = ("--speculate", "draft", "--draft", str(packages["bfloat16"]), "--exact-verification")
-    with ServerProcess(packages["bfloat16"], *name_args, *exact) as gpu:
+    draft = ("--speculate", "draft", "--draft", str(packages["bfloat16"]))
+    with ServerProcess(packages["bfloat16"], *name_args, *draft) as gpu:
         got = [_greedy(gpu, p)[1] for p in PROMPTS]
         metrics = gpu.metrics()
     proposed = metrics["orbit_spec_proposed_tokens_total"]
