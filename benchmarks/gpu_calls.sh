@@ -8,8 +8,8 @@
 #   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy K [K ...]
 # or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one
 # (serve's tests alone).
-# extra (carry nothing more, after any of them): issue 20's FP8 tiles on this card, then issue
-# 18's decode profile of the 8B (items 2 and 3 of NOTES-gpu.md's list).
+# tiles, profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the exact graphs
+# (issue 19), the 8B's decode profile (issue 18), the FP8 tiles on this card (issue 20).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
 # `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
 # part: the 8B's verification timed with the exact graphs; copy: the copy-heavy prompts with
@@ -23,7 +23,7 @@ export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-case "${1:?serve, part, copy, one or extra}" in
+case "${1:?serve, part, copy, one, tiles, profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -61,14 +61,26 @@ copy)
   timeout 150 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
     --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -1
   ;;
-extra)
+tiles)  # SmolLM2's few-rows tiles swept, then its exact steps with the rule's and the best
   pkill -f " -m ranks " || true  # a cut run's ranks would hold the GPU's memory
-  timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
+  timeout 240 python3 -m benchmarks.kernels --part fewsmall --out "$OUT/fewsmall" 2>&1 \
+    | grep -v "^  "
+  for tiles in "" "$OUT/fewsmall/few_small_tiles.json"; do
+    timeout 120 python3 -m benchmarks.speculation verify --shape smollm2 \
+      --exact-verify-max-bucket 32 ${tiles:+--few-tiles "$tiles"} 2>&1 | tail -2
+  done
+  ;;
+profile)  # issue 18: where the cached turn's 64-token step spends its time
+  pkill -f " -m ranks " || true
   timeout 330 python3 -m benchmarks.decode --out "$OUT/decode-profile" --batches 1,64 \
     --prompts 2048 --hf-tokens 0 --profile 2>&1 | tail -4
   ;;
+fp8)  # issue 20: the FP8 tiles on this card
+  pkill -f " -m ranks " || true
+  timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
+  ;;
 *)
-  echo "unknown call $1: serve, part, copy, one or extra" >&2
+  echo "unknown call $1: serve, part, copy, one, tiles, profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -478,6 +478,19 @@ def schedule_part(args) -> dict:
     return report
 
 
+def use_few_tiles(tiles: dict[str, list[int]]) -> None:
+    """The few-rows kernel takes tiles["NxK"] for an N x K weight (benchmarks.kernels --part
+    fewsmall's best), its own rule for the others."""
+    from runtime import cuda_ops
+
+    rule = cuda_ops._few_tile
+
+    def tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
+        return tuple(tiles[f"{n}x{k}"]) if f"{n}x{k}" in tiles else rule(n, k, m)
+
+    cuda_ops._few_tile = tile
+
+
 def verify_part(args) -> dict:
     import torch
 
@@ -493,6 +506,8 @@ def verify_part(args) -> dict:
 
     if args.cublas_few_rows:
         use_cublas_for_few_rows()
+    if args.few_tiles:
+        use_few_tiles(json.loads(args.few_tiles.read_text()))
     spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
     args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
@@ -543,6 +558,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--cublas-few-rows",
         action="store_true",
         help="verify: the baseline, products of 2 to 32 rows through cuBLAS",
+    )
+    p.add_argument(
+        "--few-tiles",
+        type=Path,
+        help="verify: a JSON of few-rows tiles by weight shape (benchmarks.kernels fewsmall's)",
     )
     p.add_argument(
         "--exact-verify-max-bucket",
