@@ -109,7 +109,22 @@ def parse_args(argv):
         help="products of 33 to this many rows (64 at most) through the split-K kernel "
         "(runtime/cuda_ops.py SPLIT_ROWS; 0: as the code has it)",
     )
+    p.add_argument(
+        "--prefill-backend",
+        choices=["auto", "fa2"],
+        default="auto",
+        help="FlashInfer's paged prefill (graphs and eager): auto is the runtime's choice (FA3 "
+        "on Hopper over bf16 pages); fa2 its FA2 kernels, which split a long context over "
+        "several CTAs (issue 18's cached turn: 64 query tokens over 2,048 cached)",
+    )
     return p.parse_args(argv)
+
+
+def use_prefill_backend(backend: str) -> None:
+    """Every FlashInfer prefill wrapper built from now on takes `backend` (not "auto")."""
+    from runtime import cuda_attention
+
+    cuda_attention.prefill_backend = lambda device, kv: backend
 
 
 def use_cublas_for_few_rows() -> None:
@@ -451,6 +466,8 @@ def main(argv=None) -> int:
         use_cublas_for_few_rows()
     if args.split_rows:
         use_split_k_up_to(args.split_rows)
+    if args.prefill_backend != "auto":
+        use_prefill_backend(args.prefill_backend)
     from prepare.model_spec import model_spec_from_config
     from runtime import cuda_ops
 

@@ -55,7 +55,11 @@ class ServerProcess:
                 pass
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"orbit serve was not healthy within {self.ready_timeout_s} s")
+        # what it printed says why (a server that fills the pipe also blocks on it)
+        said = self.proc.stdout.read().decode(errors="replace")[-6000:]
+        raise TimeoutError(
+            f"orbit serve was not healthy within {self.ready_timeout_s} s; it printed:\n{said}"
+        )
 
     def __exit__(self, *exc) -> None:
         self.stop()
