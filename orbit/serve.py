@@ -213,27 +213,16 @@ async def _supervise(engine: Engine, gens, opts: ServeOptions, stop, on_ready) -
                 await gens.ready(link)
                 await engine.start(opts.ready_timeout_s, link=link)
             except RankFailure as e:
-                log.error("%s", e)
                 if not gens.served or isinstance(e, PackageMismatch):
+                    log.error("%s", e)
                     gens.refused = isinstance(e, PackageMismatch)
                     stop.set()
                     return
-                continue
-            log.info("the ranks are ready: serving requests")
-            if not gens.served and on_ready:
-                on_ready(engine)
-            gens.served = True
-            ready_at = time.monotonic()
-            watcher = asyncio.create_task(gens.watch(link, engine))
-            try:
-                await engine.run()  # returns when the engine fails
-            finally:
-                watcher.cancel()
-            if engine.stopping:
-                return
-            cause = await gens.cause(link, engine)
-            next_step = gens.after_failure(time.monotonic() - ready_at)
-            log.error("serving stopped: %s; %s", cause, next_step)
+                # a group that fails as it starts waits for the next as one failing at once
+                log.error("%s; %s", e, gens.after_failure(0.0))
+            else:
+                if await _serve_group(engine, gens, link, on_ready):
+                    return
         finally:
             await gens.stop(link)
         try:
@@ -243,6 +232,26 @@ async def _supervise(engine: Engine, gens, opts: ServeOptions, stop, on_ready) -
             gens.refused = True
             stop.set()
             return
+
+
+async def _serve_group(engine: Engine, gens, link, on_ready) -> bool:
+    """Serve on a ready group until the engine fails or stops; True when it stops."""
+    log.info("the ranks are ready: serving requests")
+    if not gens.served and on_ready:
+        on_ready(engine)
+    gens.served = True
+    ready_at = time.monotonic()
+    watcher = asyncio.create_task(gens.watch(link, engine))
+    try:
+        await engine.run()  # returns when the engine fails
+    finally:
+        watcher.cancel()
+    if engine.stopping:
+        return True
+    cause = await gens.cause(link, engine)
+    next_step = gens.after_failure(time.monotonic() - ready_at)
+    log.error("serving stopped: %s; %s", cause, next_step)
+    return False
 
 
 def _max_seq_len(max_model_len: int, package_max: int, package: Path) -> int:

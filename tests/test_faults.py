@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from proto import wire_pb2
-from tests.server import ServerProcess, alive
+from tests.server import ServerProcess, alive, children
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +131,32 @@ def test_a_stopped_rank_is_killed_at_once_and_replaced(tp2_pkg):
         finally:
             if alive(stopped):
                 os.kill(stopped, signal.SIGCONT)
+
+
+def test_a_rank_killed_during_start_up_ends_the_server_at_once_naming_it(tp2_pkg):
+    """A rank that dies before Ready without reporting a failure (a signal, a crash in native
+    code) ends a server that never served, at once and naming the rank, not after the ranks'
+    ready timeout (600 s) of a server that never answers /health."""
+    server = ServerProcess(tp2_pkg, "--kv-pages", "512")
+    proc = subprocess.Popen(
+        server.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (ranks := [pid for pid, cmd in children(proc.pid) if " -m ranks " in cmd]):
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
+            time.sleep(0.02)
+        os.kill(ranks[-1], signal.SIGKILL)  # importing torch alone takes it longer than this
+        killed_at = time.monotonic()
+        code = proc.wait(timeout=60)
+        ended_s = time.monotonic() - killed_at
+        out = proc.stdout.read().decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 1 and ended_s < 20, (code, ended_s, out)
+    assert re.search(r"rank \d was killed by signal 9", out), out
+    assert not any(alive(pid) for pid in ranks)
 
 
 def _listeners(pids: list[int]) -> list[str]:

@@ -44,6 +44,7 @@ class LocalGenerations:
         self.pkg, self.options, self.log_dir = pkg, options, log_dir
         self.served = self.refused = False
         self.ranks: LocalRanks | None = None
+        self._starting: asyncio.Task | None = None  # _watch_start while the ranks start
         self.pause_s = 0.0
         self.keys_dir = create_keys(Path(tempfile.mkdtemp(prefix="orbit-keys-")), pkg.tp_size)
         self.keys = ServerKeys.load(self.keys_dir)
@@ -59,9 +60,13 @@ class LocalGenerations:
         return link
 
     async def ready(self, link: RankLink) -> None:
-        pass  # the ranks connect by themselves; engine.start waits for them
+        """The ranks connect by themselves and engine.start waits for them. Meanwhile a rank
+        that dies without reporting a failure (a signal, a crash in native code) fails the
+        link at once, naming it, rather than leaving the wait to its timeout."""
+        self._starting = asyncio.create_task(_watch_start(self.ranks, link))
 
     async def watch(self, link: RankLink, engine: Engine) -> None:
+        self._stop_start_watch()
         await _watch_ranks(self.ranks, link, engine)
 
     async def cause(self, link: RankLink, engine: Engine) -> str:
@@ -86,7 +91,13 @@ class LocalGenerations:
         self.pause_s = lo if served_s >= HEALTHY_RESET_S else min(max(lo, self.pause_s * 2), hi)
         return f"starting a new group of ranks in {self.pause_s:g} s"
 
+    def _stop_start_watch(self) -> None:
+        if self._starting is not None:
+            self._starting.cancel()
+            self._starting = None
+
     async def stop(self, link: RankLink) -> None:
+        self._stop_start_watch()
         if link.failure is not None:  # the group is broken: nobody waits on a hung rank
             if isinstance(link.failure, _Silent):
                 self.ranks.kill([link.failure.rank])
@@ -111,6 +122,15 @@ class _Silent(RankFailure):
 def _exit_text(ranks: LocalRanks, rank: int, code: int) -> str:
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     return f"rank {rank} {how}; last lines of {ranks.log_path(rank)}:\n{ranks.log_tail(rank)}"
+
+
+async def _watch_start(ranks: LocalRanks, link: RankLink) -> None:
+    """Until cancelled (the group is ready, or stopped): a rank process that exits fails the
+    link with its exit and log tail, which ends the link's wait for Ready."""
+    while not (exited := ranks.exited()):
+        await asyncio.sleep(WATCH_INTERVAL_S)
+    rank, code = exited[0]
+    link.fail(RankFailure(_exit_text(ranks, rank, code), rank))
 
 
 async def _watch_ranks(ranks: LocalRanks, link: RankLink, engine: Engine) -> None:
