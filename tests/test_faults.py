@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from proto import wire_pb2
-from tests.server import ServerProcess, alive, children
+from tests.server import ServerProcess, alive
 
 
 @pytest.fixture(scope="module")
@@ -137,13 +137,13 @@ def test_a_rank_killed_during_start_up_ends_the_server_at_once_naming_it(tp2_pkg
     """A rank that dies before Ready without reporting a failure (a signal, a crash in native
     code) ends a server that never served, at once and naming the rank, not after the ranks'
     ready timeout (600 s) of a server that never answers /health."""
-    server = ServerProcess(tp2_pkg, "--kv-pages", "512")
-    proc = subprocess.Popen(
+    server = ServerProcess(tp2_pkg, "--kv-pages", "512")  # started here, not waited for
+    proc = server.proc = subprocess.Popen(
         server.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 60
-        while not (ranks := [pid for pid, cmd in children(proc.pid) if " -m ranks " in cmd]):
+        while not (ranks := server.rank_pids()):
             assert time.monotonic() < deadline and proc.poll() is None, "no rank started"
             time.sleep(0.02)
         os.kill(ranks[-1], signal.SIGKILL)  # importing torch alone takes it longer than this

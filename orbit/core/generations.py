@@ -124,13 +124,21 @@ def _exit_text(ranks: LocalRanks, rank: int, code: int) -> str:
     return f"rank {rank} {how}; last lines of {ranks.log_path(rank)}:\n{ranks.log_tail(rank)}"
 
 
+def _exit_failure(ranks: LocalRanks) -> RankFailure | None:
+    """The failure of the first rank process that exited, with its log tail; None while all run."""
+    exited = ranks.exited()
+    if not exited:
+        return None
+    rank, code = exited[0]
+    return RankFailure(_exit_text(ranks, rank, code), rank)
+
+
 async def _watch_start(ranks: LocalRanks, link: RankLink) -> None:
     """Until cancelled (the group is ready, or stopped): a rank process that exits fails the
     link with its exit and log tail, which ends the link's wait for Ready."""
-    while not (exited := ranks.exited()):
+    while (failure := _exit_failure(ranks)) is None:
         await asyncio.sleep(WATCH_INTERVAL_S)
-    rank, code = exited[0]
-    link.fail(RankFailure(_exit_text(ranks, rank, code), rank))
+    link.fail(failure)
 
 
 async def _watch_ranks(ranks: LocalRanks, link: RankLink, engine: Engine) -> None:
@@ -148,10 +156,9 @@ async def _watch_ranks(ranks: LocalRanks, link: RankLink, engine: Engine) -> Non
             link.fail(failure)
             engine.fail(EngineError(str(failure)))
             return
-        exited = ranks.exited()
-        if exited:
-            rank, code = exited[0]
-            link.fail(RankFailure(_exit_text(ranks, rank, code), rank))
-            engine.fail(EngineError(f"rank {rank} exited"))
+        failure = _exit_failure(ranks)
+        if failure is not None:
+            link.fail(failure)
+            engine.fail(EngineError(f"rank {failure.rank} exited"))
             return
         await asyncio.sleep(WATCH_INTERVAL_S)
