@@ -8,6 +8,7 @@
 #   carry [".ggc"]:                              bash benchmarks/gpu_calls.sh copy K [K ...]
 # or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one
 # (serve's tests alone).
+# servecuda (carry the kit as for one): tests/gpu/test_serve_cuda.py, the exact test first.
 # tiles, profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the exact graphs
 # (issue 19), the 8B's decode profile (issue 18), the FP8 tiles on this card (issue 20).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
@@ -23,12 +24,21 @@ export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-case "${1:?serve, part, copy, one, tiles, profile or fp8}" in
+case "${1:?servecuda, serve, part, copy, one, tiles, profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
     -k "bit_for_bit or exact_verification" >"$OUT/tests.txt" 2>&1
   grep -E "PASSED|FAILED|ERROR|^E " "$OUT/tests.txt" | head -30
+  ;;
+servecuda)  # the exact end-to-end test alone (its cause prints now), then the rest of the file
+  pkill -f " -m ranks " || true
+  timeout -s INT 230 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
+  pkill -f " -m ranks " || true
+  timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_serve_cuda.py -k "not exact_verification" >"$OUT/tests-rest.txt" 2>&1
+  grep -hE "PASSED|FAILED|ERROR|^E " "$OUT"/tests-*.txt | head -40
   ;;
 serve)
   cp .gga/part.aa /tmp/gg/
@@ -84,7 +94,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: serve, part, copy, one, tiles, profile or fp8" >&2
+  echo "unknown call $1: servecuda, serve, part, copy, one, tiles, profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -4,7 +4,9 @@
 #   bash benchmarks/gpu_kit.sh
 # It writes (all git-ignored through .git/info/exclude):
 #   .gpu/             the shared kit: FlashInfer, pyzmq, FastAPI, asyncssh, FlashInfer's JIT cache
-#   .whl/             the official openai client and gguf, with what they need beyond the image
+#   .whl/             the official openai client, gguf and httptools (the API servers' HTTP
+#                     parser: without it every API server exits at import), with what they
+#                     need beyond the image
 #                     and .gpu, and xgrammar (Python 3.12 wheels)
 #   .gputok/          the SmolLM2 tokenizer, for packages built there (benchmarks.random_package)
 #   .gga/ .ggb/ .ggc/ the SmolLM2-135M-Instruct GGUF in three parts (a call carries 64 MiB at
@@ -29,7 +31,7 @@ cp ../shared/gpu/* .gpu/
 # transformers were built with.
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --implementation cp \
-  -d .whl openai gguf
+  -d .whl openai gguf httptools
 rm -f .whl/numpy-* .whl/pydantic-* .whl/pydantic_core-* .whl/annotated_types-* \
   .whl/typing_inspection-* .whl/tqdm-* .whl/pyyaml-*
 # The ranks build the grammar compiler at start-up and the image has no xgrammar; its other

@@ -145,7 +145,7 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
     stop = asyncio.Event()
     tasks = [
         asyncio.create_task(_supervise(engine, generations, opts, stop, on_ready)),
-        asyncio.create_task(api_servers.watch()),
+        asyncio.create_task(_watch_api_servers(api_servers, stop)),
     ]
     try:
         with _signals(engine, opts.drain_timeout_s, stop):
@@ -164,7 +164,14 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
         listener.close()
         generations.close()
         shutil.rmtree(run_dir, ignore_errors=True)
+    if api_servers.failure:
+        return 1
     return 0 if generations.served and not generations.refused else 1
+
+
+async def _watch_api_servers(api_servers: ApiServers, stop: asyncio.Event) -> None:
+    await api_servers.watch()  # returns only when one cannot start
+    stop.set()
 
 
 @contextlib.contextmanager

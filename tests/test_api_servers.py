@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 
 import httpx
@@ -124,6 +125,41 @@ def test_the_core_dying_ends_every_stream_with_an_error_event(tp2_pkg):
             time.sleep(0.2)
     finally:
         s.stop()
+
+
+def test_an_api_server_that_cannot_start_ends_the_server_naming_why(tp2_pkg, tmp_path):
+    """An API server that fails before it reaches the core (here a broken module on its path;
+    on a GPU machine once, a missing httptools) fails the same way each time: orbit serve
+    exits 1 naming it and its error, where it used to restart it for ever and never answer."""
+    broken = tmp_path / "httptools"
+    broken.mkdir()
+    (broken / "__init__.py").write_text(
+        "raise ImportError('httptools is broken on purpose by this test')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
+        str(tmp_path), os.environ.get("PYTHONPATH")
+    ])))  # fmt: skip
+    server = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "2")
+    proc = server.proc = subprocess.Popen(
+        server.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+    )  # fmt: skip
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "orbit serve went on without its API servers"
+            seen.update(pid for pid, _ in children(proc.pid))
+            time.sleep(0.05)
+        out = proc.stdout.read().decode(errors="replace")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 1, out
+    assert "before it reached the engine core" in out, out
+    assert "httptools is broken on purpose by this test" in out, out
+    assert "starting a new one" not in out, out
+    assert seen and not any(alive(pid) for pid in seen)  # ranks and API servers stopped
 
 
 @contextlib.asynccontextmanager

@@ -66,6 +66,7 @@ class ApiLink:
         self._tasks: list[asyncio.Task] = []
         self._sent_status: tuple[bool, bool] | None = None  # (ready, stopping) last sent
         self._sent_at = 0.0
+        self._greeted_pids: set[int] = set()
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -92,6 +93,10 @@ class ApiLink:
         sink = self.sinks.pop(identity, None)
         if sink is not None:
             self.engine.drop(sink)
+
+    def reached(self, pid: int) -> bool:
+        """Whether the API server process pid has said hello since it started."""
+        return pid in self._greeted_pids
 
     def forget_pid(self, pid: int) -> None:
         """The API server process pid exited."""
@@ -131,6 +136,7 @@ class ApiLink:
             self._generate(sink, msg.generate)
         elif kind == "hello":
             sink.pid = msg.hello.pid
+            self._greeted_pids.add(sink.pid)
         elif kind == "abort":
             for key in msg.abort.seq_keys:
                 self.engine.abort(sink, key)

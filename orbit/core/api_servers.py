@@ -26,6 +26,7 @@ log = logging.getLogger("orbit.core")
 
 WATCH_INTERVAL_S = 0.2
 RESTART_PAUSE_S = 1.0
+MAX_RESTART_PAUSE_S = 30.0
 
 
 def default_api_servers(ranks_on_cpu: bool) -> int:
@@ -42,6 +43,9 @@ class ApiServers:
     def __init__(self, count: int, config_path: Path, listener: socket.socket, link: ApiLink):
         self.count, self.config_path, self.listener, self.link = count, config_path, listener, link
         self.procs: dict[int, subprocess.Popen] = {}
+        self.reached: set[int] = set()  # indices whose server has reached the core at least once
+        self.pause_s: dict[int, float] = {}
+        self.failure = ""  # why watch() gave up: orbit serve then ends
 
     def start(self) -> None:
         for index in range(self.count):
@@ -57,18 +61,38 @@ class ApiServers:
         )
 
     async def watch(self) -> None:
-        """Replace a server that exits; its sequences are aborted (the others go on)."""
+        """Replace a server that exits; its sequences are aborted (the others go on). Return,
+        with self.failure set, when a server exits before any server of its index has reached
+        the core: a fault at start-up (a module that does not import, a tokenizer that does not
+        load) fails the same way every time, and restarting it for ever would leave
+        orbit serve up, answering nothing."""
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             for index, proc in list(self.procs.items()):
+                reached = self.link.reached(proc.pid)
+                if reached:
+                    self.reached.add(index)
                 if proc.poll() is None:
                     continue
-                log.error(
-                    "API server %d (pid %d) exited with code %s; starting a new one",
-                    index, proc.pid, proc.returncode,
-                )  # fmt: skip
                 self.link.forget_pid(proc.pid)
-                await asyncio.sleep(RESTART_PAUSE_S)
+                if index not in self.reached:
+                    self.failure = (
+                        f"API server {index} (pid {proc.pid}) exited with code {proc.returncode} "
+                        "before it reached the engine core; its error is printed above: fix "
+                        "what it names (a missing module: run ./deploy/install.sh) and start "
+                        "orbit serve again"
+                    )
+                    log.error("%s", self.failure)
+                    return
+                # One that keeps failing as it starts waits longer each time; one that got as
+                # far as the core is replaced after the short pause again.
+                pause = RESTART_PAUSE_S if reached else self.pause_s.get(index, RESTART_PAUSE_S)
+                self.pause_s[index] = min(2 * pause, MAX_RESTART_PAUSE_S)
+                log.error(
+                    "API server %d (pid %d) exited with code %s; starting a new one in %g s",
+                    index, proc.pid, proc.returncode, pause,
+                )  # fmt: skip
+                await asyncio.sleep(pause)
                 self._start(index)
 
     def stop(self, grace_s: float = 10.0) -> None:
