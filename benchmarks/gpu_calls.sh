@@ -9,6 +9,8 @@
 # or, with device time for one call only, carry [".gpu", ".gputok", ".whl"]: gpu_calls.sh one
 # (serve's tests alone).
 # servecuda (carry the kit as for one): tests/gpu/test_serve_cuda.py, the exact test first.
+# With little device time for the copy-heavy run: carry [".gpu", ".gputok", ".gga", ".whl"]:
+# stage; carry [".ggb"]: stage; carry [".gpu", ".gputok", ".ggc", ".whl"]: copycap.
 # tiles, profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the exact graphs
 # (issue 19), the 8B's decode profile (issue 18), the FP8 tiles on this card (issue 20).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
@@ -24,7 +26,7 @@ export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
 
-case "${1:?servecuda, serve, part, copy, one, tiles, profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -71,6 +73,25 @@ copy)
   timeout 150 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
     --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -1
   ;;
+stage)  # the GGUF's parts this call carries, into /tmp/gg for a later copycap on this machine
+  cp .gg?/part.a? /tmp/gg/ 2>/dev/null
+  ls /tmp/gg
+  ;;
+copycap)  # issue 19: the copy-heavy prompts, the exact ranks (their four-at-once steps now
+  # capped to the exact graphs' 32 rows) against the default ranks, k = 16, two rounds each
+  cp .ggc/part.ac /tmp/gg/
+  cat /tmp/gg/part.a? >/tmp/gg/model.gguf
+  (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
+  pkill -f " -m ranks " || true
+  python3 -m orbit prepare /tmp/gg/model.gguf --tp 1 --dtype bfloat16 --out /tmp/smol \
+    --force >/dev/null
+  timeout 300 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
+    --spec-tokens 16 --ngram-min 3 --rounds 2 --exact-verification --out "$OUT/copy-exact-k16" \
+    2>&1 | tail -2
+  pkill -f " -m ranks " || true
+  timeout 200 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
+    --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -2
+  ;;
 tiles)  # SmolLM2's few-rows tiles swept, then its exact steps with the rule's and the best
   pkill -f " -m ranks " || true  # a cut run's ranks would hold the GPU's memory
   timeout 240 python3 -m benchmarks.kernels --part fewsmall --out "$OUT/fewsmall" 2>&1 \
@@ -94,7 +115,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, serve, part, copy, one, tiles, profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, tiles, profile or fp8" >&2
   exit 2
   ;;
 esac
