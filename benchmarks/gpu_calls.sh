@@ -25,6 +25,14 @@ export PYTHONPATH=/tmp/site-whl:${PYTHONPATH:-} ORBIT_TEST_TOKENIZER=$PWD/.gputo
 export PYTHONUNBUFFERED=1 ORBIT_GPU_REPORT=$OUT/report.jsonl
 mkdir -p /tmp/gg
 nvidia-smi --query-gpu=name --format=csv,noheader
+# What orbit serve's processes import beyond the image: one missing (httptools, 2026-12-06)
+# made every API server exit at start and cost two calls before anything said why.
+python3 -c "
+import importlib.util as u
+names = 'flashinfer zmq fastapi uvicorn httptools uvloop asyncssh xgrammar gguf'.split()
+for m in [m for m in names if u.find_spec(m) is None]:
+    print(f'kit: no module {m} (benchmarks/gpu_kit.sh)')
+"
 
 case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
