@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -160,6 +161,45 @@ def test_an_api_server_that_cannot_start_ends_the_server_naming_why(tp2_pkg, tmp
     assert "httptools is broken on purpose by this test" in out, out
     assert "starting a new one" not in out, out
     assert seen and not any(alive(pid) for pid in seen)  # ranks and API servers stopped
+
+
+def test_a_replacement_that_fails_as_it_starts_is_retried_after_longer_pauses(
+    tp2_pkg, tmp_path, monkeypatch
+):
+    """A server that served and died is replaced after 1 s; a replacement that then fails
+    before it reaches the core (here refused by a sitecustomize while a flag file exists)
+    does not end orbit serve, and each retry waits twice as long, until one starts."""
+    flag, attempts = tmp_path / "broken", tmp_path / "attempts"
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\n"
+        f"if os.path.exists({str(flag)!r}) and "
+        "b'orbit.http\\0' in open('/proc/self/cmdline', 'rb').read():\n"
+        f"    open({str(attempts)!r}, 'a').write('refused\\n')\n"
+        "    os._exit(3)\n"
+    )
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    s = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "1").__enter__()
+    try:
+        flag.touch()
+        os.kill(_api_server_pids(s)[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not attempts.exists() or len(attempts.read_text().split()) < 2:
+            assert time.monotonic() < deadline and s.proc.poll() is None, "no retries seen"
+            time.sleep(0.05)
+        flag.unlink()  # the third replacement, 4 s later, starts
+        while True:
+            assert time.monotonic() < deadline and s.proc.poll() is None, "never replaced"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(s.url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+    finally:
+        code = s.stop()
+    out = s.proc.stdout.read().decode(errors="replace")
+    assert code == 0, out
+    pauses = re.findall(r"exited with code (-?\d+); starting a new one in (\d+) s", out)
+    assert pauses == [("-9", "1"), ("3", "2"), ("3", "4")], out
 
 
 @contextlib.asynccontextmanager
