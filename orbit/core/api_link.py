@@ -100,6 +100,7 @@ class ApiLink:
 
     def forget_pid(self, pid: int) -> None:
         """The API server process pid exited."""
+        self._greeted_pids.discard(pid)  # a later process may be given the same pid
         for identity, sink in list(self.sinks.items()):
             if sink.pid == pid:
                 self.forget(identity)
