@@ -355,15 +355,14 @@ def measure_ttft(runner, spec, tensors, length: int, bw: float, flops: float) ->
     }
 
 
-def profile_text(runner, spec, tensors, args) -> str:
-    """Per-kernel GPU time of the measured batches' decode graphs (their inputs are the last
-    measured step's), CPU + GPU time of one 128-token prefill step (graph replay and the
-    eager LM head), and the steps of `_profiled_steps`."""
+def decode_graph_profiles(runner, batches: str) -> list[str]:
+    """Per-kernel GPU time of the decode graphs that hold these batches (comma-separated),
+    5 replays each, over the inputs of the last measured step."""
     from torch.profiler import ProfilerActivity, profile
 
     parts = []
-    batches = sorted({int(b) for b in args.batches.split(",")})
-    buckets = dict.fromkeys(next(b for b in runner.buckets if b >= n) for n in batches)
+    sizes = sorted({int(b) for b in batches.split(",")})
+    buckets = dict.fromkeys(next(b for b in runner.buckets if b >= n) for n in sizes)
     for bucket in buckets:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -371,6 +370,16 @@ def profile_text(runner, spec, tensors, args) -> str:
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
         parts.append(f"decode graph, bucket {bucket}, 5 replays\n{table}")
+    return parts
+
+
+def profile_text(runner, spec, tensors, args) -> str:
+    """Per-kernel GPU time of the measured batches' decode graphs (their inputs are the last
+    measured step's), CPU + GPU time of one 128-token prefill step (graph replay and the
+    eager LM head), and the steps of `_profiled_steps`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    parts = decode_graph_profiles(runner, args.batches)
     prompt = torch.randint(spec.vocab_size, (128,)).tolist()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         runner.step([SeqInput(prompt, 0, list(range(8)), True)])

@@ -23,6 +23,7 @@ import torch
 from benchmarks.decode import (
     build_runner,
     copy_bandwidth,
+    decode_graph_profiles,
     hf_config,
     matmul_rate,
     measure_decode,
@@ -154,6 +155,11 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="also the FP8 GEMV tile sweep")
     p.add_argument("--sweep-only", action="store_true")
     p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per-kernel times of each run's decode graphs (profile-bf16.txt, profile-fp8.txt)",
+    )
+    p.add_argument(
         "--split-rows",
         type=int,
         default=0,
@@ -187,6 +193,9 @@ def main(argv=None) -> int:
             measure_decode(runner, spec, tensors, int(b), args, bw, flops)
             for b in args.batches.split(",")
         ]
+        if args.profile and name != "bf16_again":  # before other steps change its inputs
+            text = "\n\n".join(decode_graph_profiles(runner, args.batches))
+            (out / f"profile-{name}.txt").write_text(text)
         r["ttft"] = [
             measure_ttft(runner, spec, tensors, int(n), bw, flops) for n in args.prompts.split(",")
         ]

@@ -11,8 +11,9 @@
 # servecuda (carry the kit as for one): tests/gpu/test_serve_cuda.py, the exact test first.
 # With little device time for the copy-heavy run: carry [".gpu", ".gputok", ".gga", ".whl"]:
 # stage; carry [".ggb"]: stage; carry [".gpu", ".gputok", ".ggc", ".whl"]: copycap.
-# tiles, profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the exact graphs
-# (issue 19), the 8B's decode profile (issue 18), the FP8 tiles on this card (issue 20).
+# tiles, profile, fp8profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the
+# exact graphs (issue 19), the 8B's decode profile (issue 18), the kernels of the 8B's batch-64
+# step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
 # `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
 # part: the 8B's verification timed with the exact graphs; copy: the copy-heavy prompts with
@@ -34,7 +35,7 @@ for m in [m for m in names if u.find_spec(m) is None]:
     print(f'kit: no module {m} (benchmarks/gpu_kit.sh)')
 "
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -118,12 +119,17 @@ profile)  # issue 18: where the cached turn's 64-token step spends its time
     --prompts 2048 --hf-tokens 0 --profile --prefill-backend fa2 2>&1 | tail -4
   grep -h "cached:\|alone:" "$OUT"/decode-profile*/profile.txt
   ;;
+fp8profile)  # issue 20: where batch 64's step goes with FP8 weights against bf16 (1.19x)
+  pkill -f " -m ranks " || true
+  timeout 400 python3 -m benchmarks.fp8 --out "$OUT/fp8-profile" --batches 64 --profile 2>&1 \
+    | grep -E "speedup|tokens_per_s" | head -8
+  ;;
 fp8)  # issue 20: the FP8 tiles on this card
   pkill -f " -m ranks " || true
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, tiles, profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac
