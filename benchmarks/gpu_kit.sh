@@ -6,8 +6,7 @@
 #   .gpu/             the shared kit: FlashInfer, pyzmq, FastAPI, asyncssh, FlashInfer's JIT cache
 #   .whl/             the official openai client, gguf and httptools (the API servers' HTTP
 #                     parser: without it every API server exits at import), with what they
-#                     need beyond the image
-#                     and .gpu, and xgrammar (Python 3.12 wheels)
+#                     need beyond the image and .gpu, and xgrammar (Python 3.12 wheels)
 #   .gputok/          the SmolLM2 tokenizer, for packages built there (benchmarks.random_package)
 #   .gga/ .ggb/ .ggc/ the SmolLM2-135M-Instruct GGUF in three parts (a call carries 64 MiB at
 #                     most, the tree included), .ggc/sha256 the whole file's digest
