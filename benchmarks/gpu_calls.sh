@@ -35,6 +35,16 @@ for m in [m for m in names if u.find_spec(m) is None]:
     print(f'kit: no module {m} (benchmarks/gpu_kit.sh)')
 "
 
+# The last GGUF part (.ggc) joined to the two earlier calls left in /tmp/gg, checked, and
+# prepared as SmolLM2's bf16 package in /tmp/smol.
+smol_package() {
+  cp .ggc/part.ac /tmp/gg/
+  cat /tmp/gg/part.a? >/tmp/gg/model.gguf
+  (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
+  python3 -m orbit prepare /tmp/gg/model.gguf --tp 1 --dtype bfloat16 --out /tmp/smol \
+    --force >/dev/null
+}
+
 case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
@@ -66,11 +76,7 @@ part)
   ;;
 copy)
   shift
-  cp .ggc/part.ac /tmp/gg/
-  cat /tmp/gg/part.a? >/tmp/gg/model.gguf
-  (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
-  python3 -m orbit prepare /tmp/gg/model.gguf --tp 1 --dtype bfloat16 --out /tmp/smol \
-    --force >/dev/null
+  smol_package
   for k in "$@"; do
     python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda --spec-tokens "$k" \
       --ngram-min 3 --rounds 3 --exact-verification --out "$OUT/copy-exact-k$k" 2>&1 | tail -1
@@ -88,12 +94,8 @@ stage)  # the GGUF's parts this call carries, into /tmp/gg for a later copycap o
   ;;
 copycap)  # issue 19: the copy-heavy prompts, the exact ranks (their four-at-once steps now
   # capped to the exact graphs' 32 rows) against the default ranks, k = 16, two rounds each
-  cp .ggc/part.ac /tmp/gg/
-  cat /tmp/gg/part.a? >/tmp/gg/model.gguf
-  (cd /tmp/gg && sha256sum -c "$OLDPWD/.ggc/sha256") || exit 1
   pkill -f " -m ranks " || true
-  python3 -m orbit prepare /tmp/gg/model.gguf --tp 1 --dtype bfloat16 --out /tmp/smol \
-    --force >/dev/null
+  smol_package
   timeout 300 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
     --spec-tokens 16 --ngram-min 3 --rounds 2 --exact-verification --out "$OUT/copy-exact-k16" \
     2>&1 | tail -2
