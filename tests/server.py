@@ -32,7 +32,8 @@ class ServerProcess:
         self.ready_timeout_s = ready_timeout_s
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> ServerProcess:
+    def start(self) -> subprocess.Popen:
+        """Start the server without waiting for it (tests of start-up faults)."""
         self.proc = subprocess.Popen(
             self.cmd,
             cwd=REPO,
@@ -40,6 +41,10 @@ class ServerProcess:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        return self.proc
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
         started = time.monotonic()
         deadline = started + self.ready_timeout_s
         while time.monotonic() < deadline:

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 
 import httpx
@@ -128,7 +127,14 @@ def test_the_core_dying_ends_every_stream_with_an_error_event(tp2_pkg):
         s.stop()
 
 
-def test_an_api_server_that_cannot_start_ends_the_server_naming_why(tp2_pkg, tmp_path):
+def _on_python_path(monkeypatch, folder) -> None:
+    """Python processes started from here (the server and its children) import from folder
+    first."""
+    path = os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+
+
+def test_an_api_server_that_cannot_start_ends_the_server_naming_why(tp2_pkg, tmp_path, monkeypatch):
     """An API server that fails before it reaches the core (here a broken module on its path;
     on a GPU machine once, a missing httptools) fails the same way each time: orbit serve
     exits 1 naming it and its error, where it used to restart it for ever and never answer."""
@@ -137,14 +143,8 @@ def test_an_api_server_that_cannot_start_ends_the_server_naming_why(tp2_pkg, tmp
     (broken / "__init__.py").write_text(
         "raise ImportError('httptools is broken on purpose by this test')\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-        str(tmp_path), os.environ.get("PYTHONPATH")
-    ])))  # fmt: skip
-    server = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "2")
-    proc = server.proc = subprocess.Popen(
-        server.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        env=env,
-    )  # fmt: skip
+    _on_python_path(monkeypatch, tmp_path)
+    proc = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "2").start()
     seen: set[int] = set()
     try:
         deadline = time.monotonic() + 120
@@ -177,8 +177,7 @@ def test_a_replacement_that_fails_as_it_starts_is_retried_after_longer_pauses(
         f"    open({str(attempts)!r}, 'a').write('refused\\n')\n"
         "    os._exit(3)\n"
     )
-    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", path)
+    _on_python_path(monkeypatch, tmp_path)
     s = ServerProcess(tp2_pkg, "--kv-pages", "512", "--api-servers", "1").__enter__()
     try:
         flag.touch()

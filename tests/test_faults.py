@@ -137,10 +137,8 @@ def test_a_rank_killed_during_start_up_ends_the_server_at_once_naming_it(tp2_pkg
     """A rank that dies before Ready without reporting a failure (a signal, a crash in native
     code) ends a server that never served, at once and naming the rank, not after the ranks'
     ready timeout (600 s) of a server that never answers /health."""
-    server = ServerProcess(tp2_pkg, "--kv-pages", "512")  # started here, not waited for
-    proc = server.proc = subprocess.Popen(
-        server.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
+    server = ServerProcess(tp2_pkg, "--kv-pages", "512")
+    proc = server.start()  # not waited for
     try:
         deadline = time.monotonic() + 60
         while not (ranks := server.rank_pids()):
