@@ -106,8 +106,9 @@ def parse_args(argv):
         "--split-rows",
         type=int,
         default=0,
-        help="products of 33 to this many rows (64 at most) through the split-K kernel "
-        "(runtime/cuda_ops.py SPLIT_ROWS; 0: as the code has it)",
+        help="products of 33 to this many rows (64 at most; 32: none) through the split-K "
+        "kernel, bf16 and FP8 alike (runtime/cuda_ops.py SPLIT_ROWS, FP8_SPLIT_ROWS; 0: as "
+        "the code has it)",
     )
     p.add_argument(
         "--prefill-backend",
@@ -132,17 +133,18 @@ def use_cublas_for_few_rows() -> None:
     kernel (and its split-K kernel, when on): the same run's baseline for them."""
     from runtime import cuda_ops
 
-    cuda_ops.HALF_FEW_ROWS = cuda_ops.SPLIT_ROWS = 1
+    cuda_ops.HALF_FEW_ROWS = cuda_ops.SPLIT_ROWS = cuda_ops.FP8_SPLIT_ROWS = 1
 
 
 def use_split_k_up_to(rows: int) -> None:
-    """Products of 33 to `rows` rows through the split-K kernel, for a run to time it against
-    the code's choice (cuBLAS; the few-rows kernel for FP8)."""
+    """Products of 33 to `rows` rows through the split-K kernel, bf16 and FP8 alike, for a run
+    to time against the code's choice (cuBLAS for bf16, split-K for FP8); `rows` 32: none
+    (the few-rows kernel for FP8)."""
     from runtime import cuda_ops
 
-    if not cuda_ops.HALF_FEW_ROWS < rows <= 64:
-        raise SystemExit(f"--split-rows must be in {cuda_ops.HALF_FEW_ROWS + 1}..64, got {rows}")
-    cuda_ops.SPLIT_ROWS = rows
+    if not cuda_ops.HALF_FEW_ROWS <= rows <= 64:
+        raise SystemExit(f"--split-rows must be in {cuda_ops.HALF_FEW_ROWS}..64, got {rows}")
+    cuda_ops.SPLIT_ROWS = cuda_ops.FP8_SPLIT_ROWS = rows
 
 
 # ---- ceilings measured in this run ------------------------------------------------------

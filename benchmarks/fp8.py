@@ -163,11 +163,22 @@ def main(argv=None) -> int:
         "--split-rows",
         type=int,
         default=0,
-        help="products of 33 to this many rows through the split-K kernel (bf16 and FP8 alike)",
+        help="products of 33 to this many rows through the split-K kernel, bf16 and FP8 alike "
+        "(32: none, FP8 through the few-rows kernel; 0: as the code has it)",
+    )
+    p.add_argument(
+        "--unfused-quantize",
+        action="store_true",
+        help="FP8 products of many rows quantize their input in a launch of its own "
+        "(cuda_ops.FUSE_QUANTIZE off), for a run to time the fusion against",
     )
     args = p.parse_args(argv)
     if args.split_rows:
         use_split_k_up_to(args.split_rows)
+    if args.unfused_quantize:
+        from runtime import cuda_ops
+
+        cuda_ops.FUSE_QUANTIZE = False
     from prepare.model_spec import model_spec_from_config
 
     out = Path(args.out)

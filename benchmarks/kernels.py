@@ -393,6 +393,23 @@ def bench_splitk(name: str, m: int, bw: float, fp8: bool = False) -> dict:
             for w, s in zip(ws, scales)
         ]
         row["few_rows_us"] = graph_us(few * 4)
+
+        # W x^T on cuBLASLt, the weight as the long side as the few-rows kernel takes it
+        # (M = N, N = m rows), then the transpose into the [m, N] rows the next kernel reads
+        def swapped(w, s, copy: bool):
+            yt = torch._scaled_mm(
+                w, x.t(), scale_a=s[:, None], scale_b=xs[None, :], out_dtype=torch.bfloat16
+            )
+            return yt.t().contiguous() if copy else yt
+
+        row["cublas_swapped_gemm_us"] = graph_us(
+            [lambda w=w, s=s: swapped(w, s, False) for w, s in zip(ws, scales)] * 4
+        )
+        row["cublas_swapped_us"] = graph_us(
+            [lambda w=w, s=s: swapped(w, s, True) for w, s in zip(ws, scales)] * 4
+        )
+        got = swapped(ws[0], scales[0], True).float()
+        row["cublas_swapped_err"] = ((got - ref).norm() / ref.norm()).item()
         # the same bytes a step as bf16's tiles
         tiles = [(bn, bk * 2, *rest) for bn, bk, *rest in SPLITK_SWEEP]
     else:
@@ -667,6 +684,12 @@ def main(argv=None) -> int:
                 result["splitk"].append(r)
                 b = r["best"]
                 few = f"  few-rows {r['few_rows_us']:6.1f} µs" if "few_rows_us" in r else ""
+                if "cublas_swapped_us" in r:
+                    few += (
+                        f"  cuBLAS W x^T {r['cublas_swapped_gemm_us']:6.1f} µs, with the"
+                        f" transpose {r['cublas_swapped_us']:6.1f} µs"
+                        f" (err {r['cublas_swapped_err']:.1e})"
+                    )
                 atomic = r.get("best_atomic")
                 few += f"  atomic {atomic['us']:6.1f} µs" if atomic else ""
                 few += f"  picked {r['picked_us'] or float('nan'):6.1f} µs {r['picked_tile']}"

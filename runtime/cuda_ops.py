@@ -162,21 +162,24 @@ def _few_tile(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     return (64, 128, 4, 4) if n > 8192 else (64, 128, 6, 4)
 
 
-# Beyond HALF_FEW_ROWS and up to SPLIT_ROWS rows, products could take the split-K kernel. Off
-# (SPLIT_ROWS = HALF_FEW_ROWS: cuBLAS, and the few-rows kernel for FP8): on an H100 at 64 rows
-# (2026-12-05, benchmarks/kernels.py --part splitk) its best tiles tied cuBLAS on the 8B shapes
-# (bf16: 170.8 against 169.7 µs a layer) and beat the FP8 few-rows tile by 5% (94.2 against
-# 99.0 µs); `benchmarks.fp8 --split-rows 64` is the step-level A/B that would decide FP8
-# (benchmarks/NOTES-gpu.md).
+# Beyond HALF_FEW_ROWS and up to SPLIT_ROWS rows (bf16/fp16) or FP8_SPLIT_ROWS rows (FP8),
+# products take the split-K kernel. bf16: off (SPLIT_ROWS = HALF_FEW_ROWS, cuBLAS), since on
+# an H100 at 64 rows its best tiles tied cuBLAS on the 8B shapes (170.8 against 169.7 µs a
+# layer, 2026-12-05, benchmarks/kernels.py --part splitk). FP8: on, in place of the few-rows
+# kernel's one tile: the batch-64 decode graph of the 8B with FP8 weights replayed in 6.04 ms
+# against 6.44 and 6.05 against 6.19 (H100, 2026-12-06, two calls of `benchmarks.fp8 --batches
+# 64 [--split-rows 32]`; docs/performance.md "FP8 at batch 64").
 SPLIT_ROWS = HALF_FEW_ROWS
+FP8_SPLIT_ROWS = 64
 
 
-def split_rows(x: torch.Tensor) -> bool:
-    """A decode step of 33-64 sequences or a 33-64-token prefill step (issue 18's cached turn),
-    once SPLIT_ROWS is 64: products that still read every weight for few rows, where a 64-row
-    tile of N = 4096 gives 64 programs for 132 SMs and cuBLAS reads the weights at 66-88% of
-    the copy rate."""
-    return HALF_FEW_ROWS < x.shape[0] <= SPLIT_ROWS and x.stride(1) == 1
+def split_rows(x: torch.Tensor, fp8: bool = False) -> bool:
+    """A decode step of 33-64 sequences or a 33-64-token prefill step (issue 18's cached turn)
+    whose products take the split-K kernel: products that still read every weight for few
+    rows, where a 64-row tile of N = 4096 gives 64 programs for 132 SMs and cuBLAS reads the
+    weights at 66-88% of the copy rate."""
+    last = FP8_SPLIT_ROWS if fp8 else SPLIT_ROWS
+    return HALF_FEW_ROWS < x.shape[0] <= last and x.stride(1) == 1
 
 
 def _split_tile(n: int, k: int, fp8: bool) -> tuple[int, int, int, int, int]:
@@ -261,21 +264,75 @@ def fp8_rowwise_mm(
     """x [T, K] @ (w [N, K] float8 * scale [N] per row)^T (+ bias), on the FP8 tensor cores
     with x quantized per token: up to HALF_FEW_ROWS rows (decode batches) Orbit's few-rows
     kernel, which takes the weight's rows as the tensor cores' long side (0.6-0.7x cuBLASLt's
-    time there on the 8B shapes, H200), and beyond that up to FEW_ROWS too unless SPLIT_ROWS
-    takes them to the split-K kernel; more rows cuBLASLt's row-wise scaled GEMM."""
-    xq, xs = quantize_rows(x, x.shape[1])
-    if x.shape[0] <= FEW_ROWS:
+    time there on the 8B shapes, H200), from there up to FP8_SPLIT_ROWS its split-K kernel, up
+    to FEW_ROWS the few-rows kernel again; more rows cuBLASLt's row-wise scaled GEMM."""
+    return fp8_rowwise_mm_quantized(*quantize_rows(x, x.shape[1]), w, scale, bias, x.dtype)
+
+
+def fp8_rowwise_mm_quantized(
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """fp8_rowwise_mm of x already quantized per token: xq [T, K] float8, xs [T, 1]."""
+    if xq.shape[0] <= FEW_ROWS:
         from runtime import triton_kernels
 
-        out = torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
-        if split_rows(x):
+        out = torch.empty((xq.shape[0], w.shape[0]), dtype=dtype, device=xq.device)
+        if split_rows(xq, fp8=True):
             tile = _split_tile(*w.shape, True)
             triton_kernels.split_k_mm(xq, w, bias, out, tile, xs=xs, ws=scale)
-        elif x.shape[0]:
+        elif xq.shape[0]:
             triton_kernels.few_rows_mm(xq, w, bias, out, (64, 256, 4, 4), xs=xs, ws=scale)
         return out
-    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
+    out = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=dtype)
     return out if bias is None else out + bias
+
+
+# FP8 products of more than one row take their input quantized by the kernel that computes it
+# (the add + RMSNorm before qkv and gate_up, the SiLU-mul before down) rather than by a launch
+# of its own after it: the batch-64 decode graph on an H100 spent 1.8 us on each of 128
+# quantizing launches and 3.0 / 2.7 us on each norm / SiLU-mul (2026-12-06,
+# `benchmarks.fp8 --profile`); fused, the graph replayed in 6.05 ms against 6.36. False: the
+# separate launches (`benchmarks.fp8 --unfused-quantize`).
+FUSE_QUANTIZE = True
+
+
+def quantized_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(xq, xs, s): RMSNorm(s) * weight quantized per token (float8 [T, K], float32 [T, 1]) and
+    the stream s = x + residual, written into residual (s = x when residual is None)."""
+    from runtime import triton_kernels
+
+    xq, xs = _quantized_like(x.shape[0], x.shape[1], x.device)
+    if x.shape[0]:
+        triton_kernels.quantize_product_input(x, residual, weight, eps, xq, xs, silu_mul=False)
+    return xq, xs, x if residual is None else residual
+
+
+def quantized_silu_and_mul(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(gate) * up of gate_up [T, 2 I], quantized per token: (float8 [T, I], float32 [T, 1])."""
+    from runtime import triton_kernels
+
+    xq, xs = _quantized_like(gate_up.shape[0], gate_up.shape[1] // 2, gate_up.device)
+    if gate_up.shape[0]:
+        triton_kernels.quantize_product_input(gate_up, None, None, 0.0, xq, xs, silu_mul=True)
+    return xq, xs
+
+
+def _quantized_like(t: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    xq = torch.empty((t, k), dtype=torch.float8_e4m3fn, device=device)
+    return xq, torch.empty((t, 1), dtype=torch.float32, device=device)
+
+
+def fuses_quantize(x: torch.Tensor, residual: torch.Tensor | None = None) -> bool:
+    """Whether the FP8 products' input of these rows is quantized in the kernel that makes it:
+    rows of unit column stride, a contiguous residual."""
+    return FUSE_QUANTIZE and x.stride(-1) == 1 and (residual is None or residual.is_contiguous())
 
 
 def fp8_block_mm(

@@ -61,7 +61,8 @@ class Fp8Matmul:
     """FP8 weights on Hopper-class CUDA GPUs. One row: the GEMV reads the FP8 weight and
     applies its scales after the dot products (the fusions of HalfMatmul kept). More rows:
     the activations are quantized per token (per token and block of columns for block
-    scales) and multiplied on the FP8 tensor cores, the scales applied in the epilogue."""
+    scales) and multiplied on the FP8 tensor cores, the scales applied in the epilogue; with
+    per-token scales the add + RMSNorm or SiLU-mul before a product quantizes as it goes."""
 
     def __init__(self, quant: WeightQuant):
         self.block = quant.block if quant.scheme == "fp8-block" else None
@@ -70,6 +71,15 @@ class Fp8Matmul:
         if self.block is None:
             return cuda_ops.fp8_rowwise_mm(x, layer.weight, layer.weight_scale, layer.bias)
         return cuda_ops.fp8_block_mm(x, layer.weight, layer.weight_scale, self.block, layer.bias)
+
+    def _quantized(self, xq, xs, layer, dtype):
+        return cuda_ops.fp8_rowwise_mm_quantized(
+            xq, xs, layer.weight, layer.weight_scale, layer.bias, dtype
+        )
+
+    def _fuses_quantize(self, x, residual=None) -> bool:
+        # per-token scales only: block scales quantize per 128 columns, a launch of their own
+        return self.block is None and cuda_ops.fuses_quantize(x, residual)
 
     def linear(self, x, layer):
         if cuda_ops.one_row(x):
@@ -83,6 +93,9 @@ class Fp8Matmul:
             return cuda_ops.silu_and_mul_linear(
                 gate_up, layer.weight, scale=layer.weight_scale, block=self.block
             )
+        if self._fuses_quantize(gate_up):
+            xq, xs = cuda_ops.quantized_silu_and_mul(gate_up)
+            return self._quantized(xq, xs, layer, gate_up.dtype)
         return self._many(cuda_ops.silu_and_mul(gate_up), layer)
 
     def norm_linear(self, norm, x, residual, layer):
@@ -97,6 +110,9 @@ class Fp8Matmul:
                 scale=layer.weight_scale,
                 block=self.block,
             )
+        if self._fuses_quantize(x, residual):
+            xq, xs, residual = cuda_ops.quantized_norm(x, residual, norm.weight, norm.eps)
+            return self._quantized(xq, xs, layer, x.dtype), residual
         h, residual = norm.add_forward(x, residual)
         return self._many(h, layer), residual
 

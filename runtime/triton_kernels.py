@@ -736,6 +736,71 @@ def quantize_rows(x, out, scales, group: int) -> None:
 
 
 @triton.jit
+def _quantize_product_input_kernel(
+    x_ptr,
+    r_ptr,
+    w_ptr,
+    q_ptr,
+    s_ptr,
+    K,
+    x_stride,
+    eps,
+    ADD: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One row a program: the next product's input, computed as the unfused kernels compute it
+    # and rounded to x's dtype as they store it, then quantized to float8 with one scale for
+    # the row. SILU_MUL: silu(gate) * up of x = [gate | up]. Otherwise RMSNorm(s) * w of the
+    # stream s = x + residual (ADD; s is written back into the residual, as FlashInfer's
+    # fused add + RMSNorm does) or s = x.
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < K
+    if SILU_MUL:
+        gate = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * x_stride + K + cols, mask=ok, other=0.0).to(tl.float32)
+        y = gate / (1.0 + tl.exp(-gate)) * up
+    else:
+        s = tl.load(x_ptr + row * x_stride + cols, mask=ok, other=0.0).to(tl.float32)
+        if ADD:
+            s += tl.load(r_ptr + row * K + cols, mask=ok, other=0.0).to(tl.float32)
+            s = s.to(r_ptr.dtype.element_ty)
+            tl.store(r_ptr + row * K + cols, s, mask=ok)
+            s = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / K + eps)
+        y = s * inv * tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12) / 448.0
+    q = tl.clamp(y / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_product_input(x, residual, norm_weight, eps: float, out, scales, silu_mul: bool):
+    """out [T, K] float8 and scales [T, 1] float32 of the next product's input, in one launch:
+    silu(gate) * up of x [T, 2 K] (silu_mul), or RMSNorm(x + residual) * norm_weight of x
+    [T, K] with the sum written into residual [T, K] (residual None: RMSNorm(x)). x's rows
+    have unit column stride; residual is contiguous."""
+    t, k = out.shape
+    block = triton.next_power_of_2(k)
+    _quantize_product_input_kernel[(t,)](
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        out,
+        scales,
+        k,
+        x.stride(0),
+        eps,
+        ADD=residual is not None,
+        SILU_MUL=silu_mul,
+        BLOCK=block,
+        num_warps=16 if block > 4096 else 8,
+    )
+
+
+@triton.jit
 def _fp8_block_mm_kernel(
     a_ptr,
     a_s_ptr,

@@ -1,8 +1,8 @@
 """Orbit's Triton kernels run through Triton's interpreter on the CPU, in float32, against
 PyTorch: the one-row GEMV with its fusions (norm, residual stream, SiLU-mul), the few-rows and
 split-K products (their indexing and masks: bias, strided rows, K not a multiple of the block,
-the split-K parts), RoPE with the paged KV write, SiLU-and-multiply, and the fused decode
-attention, without a GPU. Run as a script with TRITON_INTERPRET=1 set before Triton is imported
+the split-K parts), RoPE with the paged KV write, SiLU-and-multiply, the FP8 products' input
+quantized where it is made, and the fused decode attention, without a GPU. Run as a script with TRITON_INTERPRET=1 set before Triton is imported
 (tests/test_interpreted_kernels.py does); prints the worst relative error of each check as JSON
 and exits 1 on a failed check. The GPU tests (tests/gpu/test_gemv.py) check the same products
 in bf16 on the hardware."""
@@ -92,6 +92,35 @@ def check_rope_and_silu(worst: dict) -> None:
     gate_up = torch.randn(3, 2 * 100)
     ref = torch.nn.functional.silu(gate_up[:, :100]) * gate_up[:, 100:]
     note(worst, "silu_mul", cuda_ops.silu_and_mul(gate_up), ref)
+
+
+def check_quantized_inputs(worst: dict) -> None:
+    """The FP8 products' input made and quantized in one kernel: add + RMSNorm (with the
+    residual stream written back, and without a residual) and SiLU-and-multiply, against the
+    same input computed in PyTorch and quantized by the separate per-token kernel, both
+    dequantized. Not against a quantization in PyTorch: the interpreter's float8 conversion
+    halves some values that PyTorch's does not (23 of 1,500 normal draws), so only kernels
+    against kernels compare here and the GPU tests (tests/gpu/test_fp8.py) check the values."""
+
+    def quantized(y: torch.Tensor) -> torch.Tensor:
+        q, scale = cuda_ops.quantize_rows(y, y.shape[1])
+        return q.float() * scale
+
+    k = 300
+    nw = torch.rand(k) + 0.5
+    x, residual = torch.randn(5, k), torch.randn(5, k)
+    for res in (None, residual.clone()):
+        before = x.clone()
+        xq, xs, stream = cuda_ops.quantized_norm(x, res, nw, 1e-5)
+        s = x + (0 if res is None else residual)
+        ref = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * nw
+        note(worst, "quantized_norm", xq.float() * xs, quantized(ref))
+        assert torch.equal(stream, s) and torch.equal(x, before), "the stream or x differs"
+        assert res is None or stream.data_ptr() == res.data_ptr(), "the stream is not in place"
+    gate_up = torch.randn(4, 2 * k)
+    xq, xs = cuda_ops.quantized_silu_and_mul(gate_up)
+    ref = torch.nn.functional.silu(gate_up[:, :k]) * gate_up[:, k:]
+    note(worst, "quantized_silu_mul", xq.float() * xs, quantized(ref))
 
 
 def _paged(lengths, tables, page):
@@ -209,6 +238,7 @@ def main() -> int:
     check_products(worst)
     check_gemv(worst)
     check_rope_and_silu(worst)
+    check_quantized_inputs(worst)
     check_decode_attention(worst)
     check_exact_tiles(worst)
     check_exact_attention(worst)

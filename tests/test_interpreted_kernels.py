@@ -1,5 +1,6 @@
 """Orbit's Triton kernels (the one-row GEMV with its fusions, the few-rows and split-K products,
-RoPE with the KV write, SiLU-mul, the fused decode attention) through Triton's interpreter on
+RoPE with the KV write, SiLU-mul, the FP8 products' quantized input, the fused decode
+attention) through Triton's interpreter on
 the CPU (tests/interpreted_kernels.py), so their logic is tested where CI runs: no GPU there."""
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def test_triton_kernels_match_pytorch_in_the_interpreter():
         "rope_q",
         "rope_kv",
         "silu_mul",
+        "quantized_norm",
+        "quantized_silu_mul",
         "decode_attention",
         "decode_kv_write",
         "tiles",

@@ -250,3 +250,30 @@ def test_rope_kv_write_and_small_kernels_compile_for_hopper():
         constexprs = {"GROUP": group, "BLOCK": group}
         kernel = compile_sm90(triton_kernels._quantize_rows_kernel, quant, constexprs, 4)
         assert kernel.asm["cubin"]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("k,silu_mul", [(4096, False), (14336, True), (576, False)])
+def test_quantized_product_input_compiles_for_hopper_without_spills(k, silu_mul, tmp_path):
+    """The FP8 products' input quantized where it is made (add + RMSNorm before qkv and
+    gate_up, SiLU-mul before down) at the 8B's and SmolLM2-135M's widths, as
+    triton_kernels.quantize_product_input launches it: a whole row a program, held in
+    registers, none spilled to local memory."""
+    types = {
+        **{p: "*bf16" for p in ("x_ptr", "r_ptr", "w_ptr")},
+        "q_ptr": "*fp8e4nv",
+        "s_ptr": "*fp32",
+        "K": "i32",
+        "x_stride": "i32",
+        "eps": "fp32",
+    }
+    block = triton.next_power_of_2(k)
+    constexprs = {"ADD": not silu_mul, "SILU_MUL": silu_mul, "BLOCK": block}
+    kernel = compile_sm90(
+        triton_kernels._quantize_product_input_kernel,
+        types,
+        constexprs,
+        16 if block > 4096 else 8,
+    )
+    used = resources(kernel, tmp_path)
+    assert used.get("LOCAL", 0) == 0 and used.get("STACK", 0) == 0, used

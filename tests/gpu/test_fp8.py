@@ -112,15 +112,14 @@ def test_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, re
 
 @pytest.mark.parametrize("tokens", [33, 64])
 @pytest.mark.parametrize("n,k,quant", [c for c in CASES if c[2] is CHANNEL])
-def test_split_k_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant, monkeypatch):
-    """33 to 64 rows of per-row-scaled FP8 through the split-K kernel once SPLIT_ROWS takes them
-    (off until timed on the GPU): each part takes the scales on its own, the parts are summed
-    in a fixed order, so the product is the same on every call."""
-    monkeypatch.setattr(cuda_ops, "SPLIT_ROWS", 64)
+def test_split_k_gemm_matches_float32_over_quantized_activations(tokens, n, k, quant):
+    """33 to 64 rows of per-row-scaled FP8 through the split-K kernel (FP8_SPLIT_ROWS): each
+    part takes the scales on its own, the parts are summed in a fixed order, so the product
+    is the same on every call."""
     g, w8, scale, w = _weights(n, k, quant, 7)
     x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=g)
-    assert cuda_ops.split_rows(x)
+    assert cuda_ops.split_rows(x, fp8=True) and not cuda_ops.split_rows(x)
     xq = _quantized_activations(x, k)
     for b in (None, bias):
         got = cuda_ops.fp8_rowwise_mm(x, w8, scale, b)
@@ -128,6 +127,50 @@ def test_split_k_gemm_matches_float32_over_quantized_activations(tokens, n, k, q
         assert got.shape == (tokens, n) and got.dtype == torch.bfloat16
         assert rel_error(got.float(), ref) <= TOL
         assert torch.equal(got, cuda_ops.fp8_rowwise_mm(x, w8, scale, b))
+
+
+def _e4m3_steps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The most e4m3 steps between two float8 tensors' elements: their codes ordered as the
+    values are (sign and magnitude: the 7 low bits grow with the magnitude)."""
+
+    def ordinal(q: torch.Tensor) -> torch.Tensor:
+        code = q.view(torch.uint8).int()
+        return torch.where(code >= 128, 128 - code, code)
+
+    return (ordinal(a) - ordinal(b)).abs().max().item()
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 300])
+@pytest.mark.parametrize("k", [4096, 14336, 576])
+def test_input_quantized_where_it_is_made_matches_the_separate_launches(tokens, k):
+    """The add + RMSNorm and the SiLU-mul that quantize the next product's input as they make
+    it (FUSE_QUANTIZE) against FlashInfer's norm or Orbit's SiLU-mul followed by the separate
+    per-token quantization: the residual stream equal; the scales within bf16's rounding; each
+    float8 value the same or one e4m3 step away. FlashInfer normalizes by the sum before it is
+    rounded to bf16 and the fused kernel by the rounded stream, as the PyTorch reference does,
+    so a row's scale can move by a bf16 step and values at a rounding boundary by one code
+    (the first run had up to 1.5% of relative difference this way)."""
+    g = torch.Generator("cuda").manual_seed(11)
+    x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    residual = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16, generator=g)
+    weight = (torch.rand(k, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
+    for res in (None, residual):
+        h, stream = x.clone(), None if res is None else res.clone()
+        if stream is None:
+            h = cuda_ops.rms_norm(h, weight, 1e-5)
+        else:
+            cuda_ops.fused_add_rms_norm(h, stream, weight, 1e-5)
+        ref_q, ref_s = cuda_ops.quantize_rows(h, k)
+        fused_stream = None if res is None else res.clone()
+        xq, xs, out_stream = cuda_ops.quantized_norm(x, fused_stream, weight, 1e-5)
+        assert torch.equal(out_stream, x if res is None else stream)
+        assert rel_error(xs, ref_s) <= 2**-7
+        assert _e4m3_steps(xq, ref_q) <= 1
+    gate_up = torch.randn(tokens, 2 * k, device="cuda", dtype=torch.bfloat16, generator=g)
+    ref_q, ref_s = cuda_ops.quantize_rows(cuda_ops.silu_and_mul(gate_up), k)
+    xq, xs = cuda_ops.quantized_silu_and_mul(gate_up)
+    assert rel_error(xs, ref_s) <= 2**-7
+    assert _e4m3_steps(xq, ref_q) <= 1
 
 
 @pytest.mark.parametrize("quant", [CHANNEL, BLOCK])
