@@ -86,6 +86,20 @@ def parse_args(argv):
     p.add_argument("--kv-fraction", type=float, default=0.9)
     p.add_argument("--profile", action="store_true", help="write per-kernel times")
     p.add_argument(
+        "--mixed-fa2-min-rows",
+        type=int,
+        default=48,
+        help="steps of at least this many decode rows beside prompt chunks replay FA2 graphs "
+        "(runtime/cuda_runner.py CudaRunnerOptions.mixed_fa2_min_rows; 0: FA3 graphs only)",
+    )
+    p.add_argument(
+        "--mixed",
+        default="",
+        help="also time a step of this many decode rows (comma-separated counts) at --context "
+        "beside prompt chunks filling the 2,048-token budget, against the same chunks alone "
+        "and the rows alone (issue 16's steps under load); --batches must reach the count",
+    )
+    p.add_argument(
         "--fused-decode-max-bucket",
         type=int,
         default=8,
@@ -262,6 +276,9 @@ def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=409
         fused_decode_max_bucket=args.fused_decode_max_bucket,
         exact_verify_max_bucket=getattr(args, "exact_verify_max_bucket", 0),
         kv_quant=kv_quant,
+        mixed_fa2_min_rows=getattr(
+            args, "mixed_fa2_min_rows", CudaRunnerOptions.mixed_fa2_min_rows
+        ),
     )
     runner = CudaGraphRunner(model, caps, options)
     t1 = time.perf_counter()
@@ -446,6 +463,60 @@ def _step_profile(runner, name: str, seq: SeqInput, profile, activity) -> str:
     return f"{head}; 5 steps\n{table}"
 
 
+def _step_ms(runner, seqs: list[SeqInput]) -> dict:
+    """Median wall and CUDA-event time of runner.step(seqs) over 10 steps after one."""
+    walls, gpus = [], []
+    for _ in range(11):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        start.record()
+        runner.step(seqs)
+        end.record()
+        end.synchronize()
+        walls.append(time.perf_counter() - t0)
+        gpus.append(start.elapsed_time(end) / 1e3)
+    return {
+        "wall_ms": statistics.median(walls[1:]) * 1e3,
+        "gpu_ms": statistics.median(gpus[1:]) * 1e3,
+    }
+
+
+def measure_mixed(runner, spec, rows: int, context: int, budget: int = 2048) -> dict:
+    """A step as chunked prefill builds them under load: `rows` decode rows at `context`
+    tokens beside 448-token prompt chunks filling the rest of the token budget, timed against
+    the chunks alone and the rows alone (each a step of its own)."""
+    ps = runner.page_size
+    chunk = 448
+    prompts = (budget - rows) // chunk
+    per_row, per_prompt = -(-(context + 1) // ps), -(-chunk // ps)
+    decode = [
+        SeqInput([int(t)], context, list(range(i * per_row, (i + 1) * per_row)), True)
+        for i, t in enumerate(torch.randint(spec.vocab_size, (rows,)))
+    ]
+    first = rows * per_row
+    chunks = [
+        SeqInput(
+            torch.randint(spec.vocab_size, (chunk,)).tolist(),
+            0,
+            list(range(first + i * per_prompt, first + (i + 1) * per_prompt)),
+            True,
+        )
+        for i in range(prompts)
+    ]
+    result = {
+        "decode_rows": rows,
+        "context": context,
+        "prompt_chunks": f"{prompts} x {chunk}",
+        "mixed": _step_ms(runner, decode + chunks),
+        "chunks_alone": _step_ms(runner, chunks),
+        "rows_alone": _step_ms(runner, decode),
+    }
+    apart = result["chunks_alone"]["gpu_ms"] + result["rows_alone"]["gpu_ms"]
+    result["mixed_over_apart_gpu"] = result["mixed"]["gpu_ms"] / apart
+    return result
+
+
 def print_table(result: dict) -> None:
     hf = result["transformers_generate_batch1_tokens_per_s"]
     print(
@@ -517,6 +588,11 @@ def main(argv=None) -> int:
     result["ttft"] = [
         measure_ttft(runner, spec, tensors, int(n), bw, flops) for n in args.prompts.split(",")
     ]
+    if args.mixed:
+        result["mixed"] = [
+            measure_mixed(runner, spec, int(rows), args.context) for rows in args.mixed.split(",")
+        ]
+        print(json.dumps(result["mixed"], indent=1))
     (out / "decode.json").write_text(json.dumps(result, indent=2))
     if args.profile:
         (out / "profile.txt").write_text(profile_text(runner, spec, tensors, args))

@@ -215,7 +215,9 @@ class PrefillGraphAttention:
         write_offsets: torch.Tensor,
         scale: float,
         num_q_heads: int,
+        backend: str = "",
     ):
+        """backend: FlashInfer's ("fa2", "fa3"); empty: prefill_backend's choice."""
         from flashinfer import BatchPrefillWithPagedKVCacheWrapper
 
         device = workspace.device
@@ -231,7 +233,7 @@ class PrefillGraphAttention:
             paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buf=self.indices_buf,
             paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
-            backend=prefill_backend(device, kv),
+            backend=backend or prefill_backend(device, kv),
         )
 
     def plan(

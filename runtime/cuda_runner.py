@@ -50,7 +50,9 @@ Any other step (prefill chunks, or a mix of prefill chunks and decode rows) is p
 smallest token bucket that holds its tokens and replayed from that bucket's graph: padding
 rows (token 0, position 0, KV into the padding page) belong to no sequence, and the graph's
 fixed number of sequences, min(max_batch, bucket), is filled with empty ones
-(runtime/cuda_attention.py, PrefillGraphAttention). The graph ends at the final norm; the LM
+(runtime/cuda_attention.py, PrefillGraphAttention). Where those graphs attend through FA3,
+a step with many decode rows beside its prompt chunks replays the bucket's second graph, which
+attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows). The graph ends at the final norm; the LM
 head then runs eagerly on the sampling rows only (one GEMM and, for TP > 1, one all-gather),
 so a graph need not carry max_batch rows of logits. A step beyond the package's per-step
 token budget or max batch raises BucketError.
@@ -121,6 +123,13 @@ class CudaRunnerOptions:
     # and a 17-token verification costs 1.14x and 1.21x their one-token step
     # (docs/performance.md).
     exact_verify_max_bucket: int = 0
+    # Where prefill graphs attend through FA3 (Hopper, model-dtype pages), token buckets that
+    # can hold this many one-token rows also get a graph attending through FA2, replayed for
+    # steps with at least that many decode rows beside their prompt chunks: FA3 gives each
+    # one-token row a query tile of its own. Beside 1,792 prompt tokens of the 8B (H100,
+    # 2026-12-06, `benchmarks.decode --mixed`, ms FA3 / FA2): 252 rows 77.5 / 59.3, 64 rows
+    # 55.7 / 53.1, 32 rows 51.4 / 52.3; prompts alone are 2-4% faster through FA3. 0: off.
+    mixed_fa2_min_rows: int = 48
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
     # (rank 0's draft model, ranks/drafting.py): the pool is sized as if its pages held both.
@@ -192,9 +201,16 @@ class CudaGraphRunner:
         self.prefill_buckets = tuple(sorted(capacities.prefill_chunk_sizes))
         self.max_tokens = max(capacities.max_step_tokens, capacities.max_batch)
         self.max_indices = capacities.max_batch * capacities.max_pages_per_seq
+        fa3 = capability[0] == 9 and options.kv_quant is None  # as prefill_backend decides
+        least = options.mixed_fa2_min_rows
+        self.mixed_buckets = tuple(
+            t
+            for t in self.prefill_buckets
+            if fa3 and least and min(capacities.max_batch, t) >= least
+        )
         self._alloc_static()
         reserve = self._profile() + options.reserve_margin_bytes
-        num_wrappers = len(self.buckets) + len(self.prefill_buckets) + 1
+        num_wrappers = len(self.buckets) + len(self.prefill_buckets) + len(self.mixed_buckets) + 1
         reserve += num_wrappers * _WRAPPER_INT_WORKSPACE_BYTES
         page_bytes = self._kv_shape(1).bytes(page_dtype(self.dtype, options.kv_quant))
         self.kv_plan = self._size_pool(page_bytes + options.shared_page_bytes, reserve)
@@ -209,6 +225,8 @@ class CudaGraphRunner:
         self._exact_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._mixed_attn: dict[int, PrefillGraphAttention] = {}
+        self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
             "KV pool: %d pages of %d tokens (%.1f GiB)",
             self.kv_plan.num_pages,
@@ -293,7 +311,8 @@ class CudaGraphRunner:
         memory outlives its replay)."""
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved()
-        for tokens in sorted(self.prefill_buckets, reverse=True):
+        kinds = [(t, "") for t in self.prefill_buckets] + [(t, "fa2") for t in self.mixed_buckets]
+        for tokens, backend in sorted(kinds, reverse=True):
             attn = PrefillGraphAttention(
                 self.kv,
                 tokens,
@@ -304,6 +323,7 @@ class CudaGraphRunner:
                 self._dev_i64[_SLOT, :tokens],
                 self.scale,
                 self.num_q_heads,
+                backend,
             )
             # FlashInfer sizes its graph-mode plan from this first one, which must have all
             # `tokens` rows: sequences of at most max_seq_len tokens over the padding page.
@@ -316,10 +336,13 @@ class CudaGraphRunner:
                 for n in lengths
             ]
             self._plan_prefill_graph(dummy, tokens, attn)
-            self._prefill_attn[tokens] = attn
-            self._prefill_graphs[tokens] = self._capture(
-                lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool
+            graph = self._capture(lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool)
+            attns, graphs = (
+                (self._mixed_attn, self._mixed_graphs)
+                if backend
+                else (self._prefill_attn, self._prefill_graphs)
             )
+            attns[tokens], graphs[tokens] = attn, graph
         exact_max = self._exact_max_bucket()
         for bucket in sorted(self.buckets, reverse=True):
             pages, slots = self._dev_i64[_PAGE, :bucket], self._dev_i64[_SLOT, :bucket]
@@ -515,10 +538,18 @@ class CudaGraphRunner:
         """A prefill or mixed step, replayed from the smallest token bucket that holds it."""
         num_tokens = self._check_step(seqs)
         tokens = next(b for b in self.prefill_buckets if b >= num_tokens)
-        attn = self._prefill_attn[tokens]
-        num_sample = self._plan_prefill_graph(seqs, tokens, attn)
-        self._prefill_graphs[tokens].replay()
+        attns, graphs = self._prefill_attn, self._prefill_graphs
+        if tokens in self._mixed_graphs and self._mixed(seqs):
+            attns, graphs = self._mixed_attn, self._mixed_graphs
+        num_sample = self._plan_prefill_graph(seqs, tokens, attns[tokens])
+        graphs[tokens].replay()
         return self._sampled_logits(self._hidden, num_sample)
+
+    def _mixed(self, seqs: list[SeqInput]) -> bool:
+        """Whether a step carries enough one-token rows to take the FA2 graph of its bucket
+        (CudaRunnerOptions.mixed_fa2_min_rows)."""
+        least = self.options.mixed_fa2_min_rows
+        return sum(len(s.token_ids) == 1 for s in seqs) >= least
 
     def _plan_prefill_graph(
         self, seqs: list[SeqInput], tokens: int, attn: PrefillGraphAttention

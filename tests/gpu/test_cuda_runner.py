@@ -169,6 +169,41 @@ def test_prefill_graphs_match_the_eager_path(llama, report):
     report("prefill_graph_vs_eager", rel_err=worst, history_rows=len(history))
 
 
+def test_mixed_steps_through_the_fa2_graphs_match_the_eager_path(llama, report):
+    """A runner whose buckets also hold FA2 graphs for steps of at least 3 decode rows beside
+    prompt chunks (mixed_fa2_min_rows, 48 by default): such a step replays them, fewer decode
+    rows keep the FA3 graphs, and both agree with the eager path (FA3, unpadded) within bf16
+    tolerance; replaying twice over a scribbled padding page gives the same logits."""
+    _, spec, tensors, _, _ = llama
+    runner = models.cuda_runner(spec, tensors, TPGroup(), mixed_fa2_min_rows=3)
+    if torch.cuda.get_device_capability()[0] != 9:
+        assert not runner.mixed_buckets  # FA2 is every graph's kernel already
+        return
+    assert runner.mixed_buckets == runner.prefill_buckets  # each holds 16 sequences
+    tables = steps.page_tables(8, 512)
+    prompts = random_prompts(spec.vocab_size, lengths=(300, 7, 40), seed=16)
+    steps.prefill(runner, prompts[:1], tables[:1], chunk=256)
+    mixed = [
+        SeqInput([11], 300, tables[0], True),
+        SeqInput(prompts[1], 0, tables[3], True),
+        SeqInput([12], 0, tables[4], True),
+        SeqInput(prompts[2], 0, tables[5], False),
+        SeqInput([13], 0, tables[6], True),
+    ]
+    shapes = {"3 decode rows: FA2": mixed, "2 decode rows: FA3": mixed[:4]}
+    worst = {}
+    for name, seqs in shapes.items():
+        assert runner._mixed(seqs) == name.endswith("FA2")
+        eager = runner.step_eager(seqs).float().cpu()
+        graph = runner.step(seqs).float().cpu()
+        for layer in runner.kv.layers:
+            layer[runner.pad_page].normal_()
+        assert torch.equal(graph, runner.step(seqs).float().cpu()), name
+        worst[name] = steps.rel_error(graph, eager)
+        assert worst[name] <= BF16_REL_TOL, name
+    report("mixed_fa2_graph_vs_eager", rel_err=worst)
+
+
 @pytest.mark.parametrize("which", ["plain", "nccl"])
 def test_steady_state_allocates_no_gpu_memory(llama, report, which):
     """After warm-up, decode steps make no allocator call at all and prefill steps (a graph
