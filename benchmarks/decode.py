@@ -430,19 +430,8 @@ def _profiled_steps(runner, spec) -> list[tuple[str, SeqInput]]:
 def _step_profile(runner, name: str, seq: SeqInput, profile, activity) -> str:
     """A step's wall time and GPU time (CUDA events around runner.step, median of 10: staging
     and attention planning included), then its kernels over 5 more steps."""
-    walls, gpus = [], []
-    for _ in range(11):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        start.record()
-        runner.step([seq])
-        end.record()
-        end.synchronize()
-        walls.append(time.perf_counter() - t0)
-        gpus.append(start.elapsed_time(end) / 1e3)
-    wall, gpu = statistics.median(walls[1:]), statistics.median(gpus[1:])
-    head = f"{name}: wall {wall * 1e3:.3f} ms, CUDA events {gpu * 1e3:.3f} ms"
+    t = _step_ms(runner, [seq])
+    head = f"{name}: wall {t['wall_ms']:.3f} ms, CUDA events {t['gpu_ms']:.3f} ms"
     if len(seq.token_ids) > 1 and seq.num_samples == 1:  # a prefill step: its host staging
         tokens = next(b for b in runner.prefill_buckets if b >= len(seq.token_ids))
         attn, plans = runner._prefill_attn[tokens], []
