@@ -128,7 +128,7 @@ class CudaRunnerOptions:
     # steps with at least that many decode rows beside their prompt chunks: FA3 gives each
     # one-token row a query tile of its own. Beside 1,792 prompt tokens of the 8B (H100,
     # 2026-12-06, `benchmarks.decode --mixed`, ms FA3 / FA2): 252 rows 77.5 / 59.3, 64 rows
-    # 55.7 / 53.1, 32 rows 51.4 / 52.3; prompts alone are 2-4% faster through FA3. 0: off.
+    # 55.7 / 53.1, 32 rows 51.4 / 52.3; prompts alone are 1-5% faster through FA3. 0: off.
     mixed_fa2_min_rows: int = 48
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
