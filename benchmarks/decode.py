@@ -74,6 +74,8 @@ SHAPES = {"llama-8b": LLAMA_31_8B, "smollm2": SMOLLM2_135M}
 
 
 def parse_args(argv):
+    from runtime.cuda_runner import CudaRunnerOptions
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b", help="the architecture")
@@ -88,7 +90,7 @@ def parse_args(argv):
     p.add_argument(
         "--mixed-fa2-min-rows",
         type=int,
-        default=48,
+        default=CudaRunnerOptions.mixed_fa2_min_rows,
         help="steps of at least this many decode rows beside prompt chunks replay FA2 graphs "
         "(runtime/cuda_runner.py CudaRunnerOptions.mixed_fa2_min_rows; 0: FA3 graphs only)",
     )
@@ -139,7 +141,7 @@ def use_prefill_backend(backend: str) -> None:
     """Every FlashInfer prefill wrapper built from now on takes `backend` (not "auto")."""
     from runtime import cuda_attention
 
-    cuda_attention.prefill_backend = lambda device, kv: backend
+    cuda_attention.prefill_backend = lambda device, kv_quant: backend
 
 
 def use_cublas_for_few_rows() -> None:

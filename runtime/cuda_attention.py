@@ -40,13 +40,14 @@ import torch
 
 from runtime import cuda_ops
 from runtime.kv_cache import KVCache
+from runtime.quant import KVQuant
 
 
-def prefill_backend(device: torch.device, kv: KVCache) -> str:
-    """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere and for FP8 pages: its FA3
-    kernels take FP8 keys and values only with FP8 queries."""
+def prefill_backend(device: torch.device, kv_quant: KVQuant | None) -> str:
+    """FA3 kernels on Hopper (sm90), FlashInfer's FA2 ones elsewhere and for FP8 pages
+    (kv_quant not None): its FA3 kernels take FP8 keys and values only with FP8 queries."""
     hopper = torch.cuda.get_device_capability(device)[0] == 9
-    return "fa3" if hopper and kv.quant is None else "fa2"
+    return "fa3" if hopper and kv_quant is None else "fa2"
 
 
 def _scales(kv: KVCache, layer: int) -> dict[str, float]:
@@ -233,7 +234,7 @@ class PrefillGraphAttention:
             paged_kv_indptr_buf=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buf=self.indices_buf,
             paged_kv_last_page_len_buf=torch.zeros(batch, dtype=torch.int32, device=device),
-            backend=backend or prefill_backend(device, kv),
+            backend=backend or prefill_backend(device, kv.quant),
         )
 
     def plan(
@@ -281,7 +282,7 @@ class PrefillAttention:
         self.write_pages: torch.Tensor | None = None
         self.write_offsets: torch.Tensor | None = None
         self.wrapper = BatchPrefillWithPagedKVCacheWrapper(
-            workspace, "NHD", backend=prefill_backend(workspace.device, kv)
+            workspace, "NHD", backend=prefill_backend(workspace.device, kv.quant)
         )
 
     def plan(

@@ -71,7 +71,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from runtime import cuda_ops
+from runtime import cuda_attention, cuda_ops
 from runtime.cuda_attention import (
     DecodeAttention,
     FusedDecodeAttention,
@@ -201,7 +201,8 @@ class CudaGraphRunner:
         self.prefill_buckets = tuple(sorted(capacities.prefill_chunk_sizes))
         self.max_tokens = max(capacities.max_step_tokens, capacities.max_batch)
         self.max_indices = capacities.max_batch * capacities.max_pages_per_seq
-        fa3 = capability[0] == 9 and options.kv_quant is None  # as prefill_backend decides
+        # through the module, so that a benchmark's choice of backend holds here too
+        fa3 = cuda_attention.prefill_backend(self.device, options.kv_quant) == "fa3"
         least = options.mixed_fa2_min_rows
         self.mixed_buckets = tuple(
             t
