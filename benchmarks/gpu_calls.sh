@@ -45,7 +45,7 @@ smol_package() {
     --force >/dev/null
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -103,6 +103,77 @@ copycap)  # issue 19: the copy-heavy prompts, the exact ranks (their four-at-onc
   timeout 200 python3 -m benchmarks.speculation copy --package /tmp/smol --device cuda \
     --spec-tokens 16 --ngram-min 3 --rounds 2 --out "$OUT/copy-default-k16" 2>&1 | tail -2
   ;;
+httpab)  # issue 16 through HTTP: this tree (steps of >= 48 decode rows beside prompt chunks
+  # replay FA2 prefill graphs) against the tree in .abold (`git archive 1dab0c9`: every mixed
+  # step through FA3), then this tree again while the call has time; carry .abold as well
+  pkill -f " -m ranks " || true
+  export PART=http LEVELS=64,256 SWEEP_TIMEOUT=200
+  for run in new old new2; do
+    [ "$run" = new2 ] && [ "$SECONDS" -gt 400 ] && break
+    date -u +"%T $run (${SECONDS} s)"
+    dir=.; [ "$run" = old ] && dir=.abold
+    (cd "$dir" && OUT=$OUT/$run bash benchmarks/gpu_serving.sh 2>&1 | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12)
+    pkill -f " -m ranks " || true
+  done
+  ;;
+httpfp8)  # issues 16 and 20 through HTTP: the 8B with FP8 weights (bf16 KV pages, then FP8),
+  # then the bf16 package on this machine while the call has time
+  pkill -f " -m ranks " || true
+  export PART=http LEVELS=64,256 SWEEP_TIMEOUT=200
+  date -u +"%T fp8 package (${SECONDS} s)"
+  timeout 300 python3 -m benchmarks.random_package --out /tmp/orbit-8b-256-fp8 --max-batch 256 \
+    --quantize fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  for run in fp8 fp8kv bf16; do
+    [ "$run" = bf16 ] && [ "$SECONDS" -gt 330 ] && break
+    date -u +"%T $run (${SECONDS} s)"
+    pkg=/tmp/orbit-8b-256-fp8; args=""
+    [ "$run" = fp8kv ] && args="--kv-dtype fp8"
+    [ "$run" = bf16 ] && pkg=/tmp/orbit-8b-256
+    PKG=$pkg SERVE_ARGS=$args OUT=$OUT/$run bash benchmarks/gpu_serving.sh 2>&1 \
+      | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12
+    pkill -f " -m ranks " || true
+  done
+  ;;
+http16)  # issue 16 on this card: the 8B with FP8 weights and FP8 KV pages (the package's
+  # choice) through HTTP, then its in-process and ranks-only figures (gpu_serving.sh's all),
+  # then the bf16 package through HTTP while the call has time
+  pkill -f " -m ranks " || true
+  date -u +"%T fp8kv package (${SECONDS} s)"
+  timeout 300 python3 -m benchmarks.random_package --out /tmp/orbit-8b-256-fp8kv --max-batch 256 \
+    --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  PKG=/tmp/orbit-8b-256-fp8kv PART=all LEVELS=64,256 REF_LEVELS=64,256 SWEEP_TIMEOUT=200 \
+    CORE_TIMEOUT=150 STEP_TIMEOUT=150 OUT=$OUT/fp8kv bash benchmarks/gpu_serving.sh 2>&1 \
+    | grep -E "│|TTFT ms|rror|Trace|exited|in-process|tok/s|tokens/s" | tail -16
+  pkill -f " -m ranks " || true
+  if [ "$SECONDS" -lt 380 ]; then
+    date -u +"%T bf16 (${SECONDS} s)"
+    PART=http LEVELS=64,256 SWEEP_TIMEOUT=200 OUT=$OUT/bf16 bash benchmarks/gpu_serving.sh 2>&1 \
+      | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12
+  fi
+  ;;
+chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
+  # pages: 8.4 ms of GPU a step against a 12.6 ms token interval on an H100, 2026-12-06):
+  # py-spy (carry .spy, its wheel) on rank 0, busy and idle, and on the engine's process
+  pkill -f " -m ranks " || true
+  pip install -q --no-index --no-deps --target /tmp/spy .spy/*.whl >/dev/null 2>&1
+  spy=/tmp/spy/bin/py-spy; pkg=/tmp/orbit-8b-256-fp8kv; mkdir -p "$OUT/chain"
+  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  python3 -m benchmarks.step_overhead --package $pkg --device cuda --prompt-tokens 512 \
+    --new-tokens 1024 --batch 256 --out "$OUT/chain" >"$OUT/chain/so.log" 2>&1 &
+  bench=$!
+  for _ in $(seq 120); do rank=$(pgrep -f " -m ranks " | head -1); [ -n "$rank" ] && break; sleep 0.5; done
+  date -u +"%T rank $rank, engine $bench"
+  $spy record -p "$rank" --rate 250 --format raw --nonblocking -o "$OUT/chain/rank.raw" -d 45 >/dev/null 2>&1 &
+  $spy record -p "$rank" --rate 250 --format raw --nonblocking --idle -o "$OUT/chain/rank-idle.raw" -d 45 >/dev/null 2>&1 &
+  $spy record -p "$bench" --rate 250 --format raw --nonblocking -o "$OUT/chain/core.raw" -d 45 >/dev/null 2>&1 &
+  wait "$bench"; wait
+  tail -2 "$OUT/chain/so.log"
+  for f in rank rank-idle core; do
+    python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Engine._loop --top 30 2>&1 | head -32
+    python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Rank.serve --top 40 2>&1 | head -42
+  done | grep -v "samples within" | cut -c1-140
+  ;;
 tiles)  # SmolLM2's few-rows tiles swept, then its exact steps with the rule's and the best
   pkill -f " -m ranks " || true  # a cut run's ranks would hold the GPU's memory
   timeout 240 python3 -m benchmarks.kernels --part fewsmall --out "$OUT/fewsmall" 2>&1 \
@@ -131,7 +202,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -2,7 +2,7 @@
 an Orbit package, through the path users take: a Hugging Face checkpoint, then `orbit prepare`.
 
     python -m benchmarks.random_package --out DIR --tokenizer TOKENIZER_DIR [--layers 32]
-        [--max-batch 64]
+        [--max-batch 64] [--quantize fp8] [--kv-dtype fp8]
 
 The tokenizer only has to be a saved Hugging Face tokenizer (the benchmarks feed token ids
 directly, so its vocabulary need not match the model's). The checkpoint is written next to the
@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     p.add_argument("--hidden-size", type=int, default=0, help="0: the 8B's (a draft: smaller)")
     p.add_argument("--intermediate-size", type=int, default=0, help="0: the 8B's")
     p.add_argument("--heads", type=int, default=0, help="query heads; 0: the 8B's")
+    p.add_argument("--quantize", default="", choices=["", "fp8"], help="orbit prepare --quantize")
+    p.add_argument("--kv-dtype", default="", choices=["", "fp8"], help="orbit prepare --kv-dtype")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -56,7 +58,10 @@ def main(argv=None) -> int:
     AutoTokenizer.from_pretrained(args.tokenizer).save_pretrained(ckpt)
     del model
     t1 = time.perf_counter()
-    opts = PrepareOptions(tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=args.max_batch)
+    opts = PrepareOptions(
+        tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=args.max_batch,
+        quantize=args.quantize, kv_dtype=args.kv_dtype,
+    )  # fmt: skip
     prepare_package(ckpt, args.out, opts, progress=False)
     shutil.rmtree(ckpt)
     print(f"checkpoint {t1 - t0:.0f} s, prepare {time.perf_counter() - t1:.0f} s: {args.out}")

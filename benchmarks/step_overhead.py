@@ -104,24 +104,36 @@ async def running_engine(config: EngineConfig, link: RankLink) -> AsyncIterator[
 GREEDY = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
 
 
-async def token_times(engine: Engine, prompt_ids: list[int], max_tokens: int) -> list:
-    """perf_counter() at each token's arrival (greedy, EOS ignored)."""
+async def token_times(
+    engine: Engine, prompt_ids: list[int], max_tokens: int, steps_at: list[int] | None = None
+) -> list:
+    """perf_counter() at each token's arrival (greedy, EOS ignored); with steps_at, appends
+    how many step timings the engine held when the 9th token came (where decode begins)."""
     times = []
     async for out in engine.generate(prompt_ids, max_tokens, GREEDY, ignore_eos=True):
+        if steps_at is not None and len(times) < DECODE_FROM <= len(times) + len(out.token_ids):
+            steps_at.append(len(engine.recent_timings))
         times += [time.perf_counter()] * len(out.token_ids)
     return times
+
+
+DECODE_FROM = 9  # a request's tokens from its 9th on come once every request decodes together
 
 
 async def measure(engine: Engine, prompts: list[list[int]], new_tokens: int) -> dict:
     """Run len(prompts) requests at once (the decode batch) after a one-request warm-up."""
     await token_times(engine, prompts[0], 4)
     engine.recent_timings.clear()
-    runs = await asyncio.gather(*(token_times(engine, p, new_tokens) for p in prompts))
+    steps_at: list[int] = []
+    runs = await asyncio.gather(*(token_times(engine, p, new_tokens, steps_at) for p in prompts))
     # Intervals of the decode phase only: from each request's 8th token on, when every
     # request of the batch has finished its prefill and they step together.
-    intervals = [b - a for times in runs for a, b in zip(times[8:], times[9:])]
+    at = DECODE_FROM - 1
+    intervals = [b - a for times in runs for a, b in zip(times[at:], times[at + 1 :])]
     itl_ms = statistics.median(intervals) * 1e3
-    decode = list(engine.recent_timings)[len(prompts) :]  # past the prefill steps
+    # Steps timed after every request had its 9th token: the full batch's decode steps (the
+    # prefill of B prompts takes fewer steps than B once several fit the step's token budget).
+    decode = list(engine.recent_timings)[max(steps_at) :]
     execute_ms = statistics.median(t[0] for t in decode) * 1e3
     gpu_ms = statistics.median(t[1] for t in decode) * 1e3
     out = {
