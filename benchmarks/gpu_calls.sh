@@ -14,6 +14,9 @@
 # tiles, profile, fp8profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the
 # exact graphs (issue 19), the 8B's decode profile (issue 18), the kernels of the 8B's batch-64
 # step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
+# httpab (carry .abold too: `git archive REV` of the code to compare), httpfp8, http16 (issues 16
+# and 20 through HTTP: docs/performance.md, 2026-12-06), chain (carry .spy, the py-spy wheel:
+# where the host's time between two 256-row steps goes; NOTES-gpu.md).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
 # `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
 # part: the 8B's verification timed with the exact graphs; copy: the copy-heavy prompts with
@@ -169,6 +172,7 @@ chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8
   $spy record -p "$bench" --rate 250 --format raw --nonblocking -o "$OUT/chain/core.raw" -d 45 >/dev/null 2>&1 &
   wait "$bench"; wait
   tail -2 "$OUT/chain/so.log"
+  python3 -m benchmarks.host_step --rows 256  # the same parts without a model, on this host's CPU
   for f in rank rank-idle core; do
     python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Engine._loop --top 30 2>&1 | head -32
     python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Rank.serve --top 40 2>&1 | head -42

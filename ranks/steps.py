@@ -180,6 +180,9 @@ class StepExecutor:
                 rows.append((s.seq_id, state, pos))
                 if state.error:
                     errors[len(rows) - 1] = state.error
+        if plan.HasField("decode"):
+            fed = self._decode_rows(plan.decode, previous, inputs, rows, errors, draft_rows)
+            feeds = feeds or fed
         if feeds:
             self.runner.feed(previous.tokens)
         gpu_start = None
@@ -192,6 +195,50 @@ class StepExecutor:
         launched.logits = logits
         launched.draft_rows = draft_rows
         return launched
+
+    def _decode_rows(
+        self,
+        d: wire_pb2.DecodeRows,
+        previous: Launched | None,
+        inputs: list,
+        rows: list,
+        errors: dict,
+        draft_rows: list,
+    ) -> bool:
+        """The plan's packed decode rows (wire.proto DecodeRows) as the loop in forward turns
+        a SeqStep with follows_sample and sample; returns whether a row is fed from the
+        previous step's samples on the device."""
+        page_rows, new_pages = list(d.page_rows), list(d.new_pages)
+        if len(page_rows) != len(new_pages):
+            raise ValueError(
+                f"step plan: the decode rows name {len(page_rows)} rows for "
+                f"{len(new_pages)} new pages"
+            )
+        seqs, feeds, j = self.seqs, False, 0
+        for i, (seq_id, pos) in enumerate(zip(d.seq_ids, d.start_pos)):
+            state = seqs[seq_id]
+            while j < len(page_rows) and page_rows[j] == i:
+                state.pages.append(new_pages[j])
+                j += 1
+            fed_row = previous.row_of(seq_id) if previous else -1
+            if fed_row >= 0:
+                token_ids, feeds = [0], True
+            else:
+                token_ids = [_last_token(seq_id, state)]
+            inputs.append(SeqInput(token_ids, pos, state.pages, True, fed_row))
+            if self.drafter is not None:
+                if state.draft is None:
+                    state.draft = self.drafter.start(pos)
+                draft_rows.append(DraftRow(state.draft, state.pages, pos, None, len(rows), 1, 0))
+            rows.append((seq_id, state, pos + 1))
+            if state.error:
+                errors[len(rows) - 1] = state.error
+        if j != len(page_rows) or len(d.seq_ids) != len(d.start_pos):
+            raise ValueError(
+                "step plan: the decode rows' lists disagree (a page for a row that is not "
+                "there, rows out of order, or more sequences than positions)"
+            )
+        return feeds
 
     def draw(self, launched: Launched, previous: Launched | None) -> None:
         """Mask (once `previous`'s tokens are accepted) and draw the rows of a forward step."""
@@ -284,9 +331,9 @@ class StepExecutor:
         ids = [d.token_id for d in launched.drawn]
         launched.tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
 
-    def _draft(self, launched: Launched, drawn: list[Sampled]) -> dict[int, list[int]]:
+    def _draft(self, launched: Launched, draws: list[int]) -> dict[int, list[int]]:
         """The drafter's proposals after the step's rows that ask, by their last sampling
-        row's index."""
+        row's index; draws: the rows' tokens."""
         rows = launched.draft_rows
         if not rows:
             return {}
@@ -294,7 +341,7 @@ class StepExecutor:
             r.failed = any(
                 i in launched.errors for i in range(r.first_row, r.first_row + r.num_samples)
             )
-        self.drafter.record(rows, [d.token_id for d in drawn])
+        self.drafter.record(rows, draws)
         return {
             r.first_row + r.num_samples - 1: tokens
             for r, tokens in zip(rows, self.drafter.propose(rows))
@@ -308,13 +355,16 @@ class StepExecutor:
     def finish(self, launched: Launched) -> wire_pb2.StepResult:
         result = wire_pb2.StepResult(step_id=launched.step_id, rank=self.rank)
         self._accept(launched)
-        drawn = launched.drawn
-        if drawn is None and launched.rows:
-            drawn = [Sampled(t, float("nan"), ()) for t in self._token_ids(launched)]
-        proposals = self._draft(launched, drawn or [])
-        for i, ((seq_id, state, _), d) in enumerate(zip(launched.rows, drawn or [])):
-            state.last_token = d.token_id
-            if self.rank == 0:
+        rows = launched.rows
+        tokens = self._token_ids(launched) if rows else []
+        proposals = self._draft(launched, tokens)
+        for (_, state, _), token in zip(rows, tokens):
+            state.last_token = token
+        if self.rank != 0 or not rows:
+            pass
+        elif proposals or launched.errors or launched.drawn is not None and _asks_logprobs(rows):
+            drawn = launched.drawn or [Sampled(t, float("nan"), ()) for t in tokens]
+            for i, ((seq_id, _, _), d) in enumerate(zip(rows, drawn)):
                 result.samples.append(
                     wire_pb2.Sample(
                         seq_id=seq_id,
@@ -326,11 +376,18 @@ class StepExecutor:
                         proposals=proposals.get(i, ()),
                     )
                 )
+        else:  # tokens alone: packed (wire.proto StepResult.sample_seq_ids)
+            result.sample_seq_ids.extend([seq_id for seq_id, _, _ in rows])
+            result.sample_token_ids.extend(tokens)
         if launched.gpu_start is not None and launched.copied is not None:
             result.gpu_s = launched.gpu_start.elapsed_time(launched.copied) / 1e3
         result.execute_s = time.perf_counter() - launched.started
         result.idle_before_s = launched.idle_before_s
         return result
+
+
+def _asks_logprobs(rows: list[tuple[int, SeqState, int]]) -> bool:
+    return any(state.sampling.num_logprobs >= 0 for _, state, _ in rows)
 
 
 def _replays_output(s: wire_pb2.SeqStep, state: SeqState) -> bool:
@@ -369,9 +426,13 @@ def _num_samples(s: wire_pb2.SeqStep, state: SeqState, num_tokens: int) -> int:
 def _input_tokens(s: wire_pb2.SeqStep, state: SeqState) -> list[int]:
     if not s.follows_sample:
         return list(s.token_ids)
+    return [_last_token(s.seq_id, state)]
+
+
+def _last_token(seq_id: int, state: SeqState) -> int:
     if state.last_token is None:
         raise ValueError(
-            f"step plan: sequence {s.seq_id} follows a sample, but this rank has sampled none "
+            f"step plan: sequence {seq_id} follows a sample, but this rank has sampled none "
             "for it since it was added: the frontend and the rank disagree"
         )
-    return [state.last_token]
+    return state.last_token

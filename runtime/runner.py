@@ -12,7 +12,7 @@ from runtime.kv_cache import KVCache
 from runtime.model import Transformer
 
 
-@dataclass
+@dataclass(slots=True)  # one per row of every step
 class SeqInput:
     """One sequence's work in a step."""
 

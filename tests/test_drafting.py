@@ -14,7 +14,7 @@ from ranks.drafting import Drafter
 from ranks.steps import StepExecutor
 from runtime.package import check_draft, open_package
 from runtime.sampling import sample
-from tests.tp_harness import load_runner
+from tests.tp_harness import load_runner, result_samples
 
 GREEDY = wire_pb2.SamplingParams(temperature=0.0, num_logprobs=-1)
 PROMPTS = [[5, 9, 13, 2, 7, 40, 41], [3, 3, 8]]
@@ -37,13 +37,13 @@ def _greedy(package, prompt: list[int], n: int) -> list[int]:
     plan = wire_pb2.StepPlan(step_id=1)
     plan.new_seqs.add(seq_id=1, sampling=GREEDY)
     plan.seqs.add(seq_id=1, token_ids=prompt, start_pos=0, new_pages=range(PAGES), sample=True)
-    out = [ex.finish(ex.launch(plan, None)).samples[0].token_id]
+    out = [result_samples(ex.finish(ex.launch(plan, None)))[0].token_id]
     while len(out) < n:
         plan = wire_pb2.StepPlan(step_id=len(out) + 1)
         plan.seqs.add(
             seq_id=1, token_ids=out[-1:], start_pos=len(prompt) + len(out) - 1, sample=True
         )
-        out.append(ex.finish(ex.launch(plan, None)).samples[0].token_id)
+        out.append(result_samples(ex.finish(ex.launch(plan, None)))[0].token_id)
     return out
 
 
@@ -61,11 +61,11 @@ def test_a_draft_of_the_served_model_proposes_its_greedy_tokens(tiny_checkpoints
             new_pages=range(i * PAGES, (i + 1) * PAGES),
         )  # fmt: skip
     result = ex.finish(ex.launch(plan, None))
-    known = [[s.token_id] for s in result.samples]
-    for i, s in enumerate(result.samples):
+    known = [[s.token_id] for s in result_samples(result)]
+    for i, s in enumerate(result_samples(result)):
         assert known[i] == truth[i][:1]
         assert list(s.proposals) == truth[i][1:4]
-    proposals = [list(s.proposals) for s in result.samples]
+    proposals = [list(s.proposals) for s in result_samples(result)]
     # Sequence 1 keeps all, then a wrong proposal in the middle, then all wrong; sequence 2
     # keeps all, then decodes without proposals, then verifies again.
     edits = [
@@ -83,7 +83,7 @@ def test_a_draft_of_the_served_model_proposes_its_greedy_tokens(tiny_checkpoints
                 num_samples=len(sent) + 1 if sent else 0, draft_tokens=3,
             )  # fmt: skip
             rows.append(len(sent) + 1)
-        samples = list(ex.finish(ex.launch(plan, None)).samples)
+        samples = result_samples(ex.finish(ex.launch(plan, None)))
         for i, n in enumerate(rows):
             mine, samples = samples[:n], samples[n:]
             drawn = [s.token_id for s in mine]

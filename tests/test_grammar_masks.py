@@ -17,7 +17,7 @@ from ranks.steps import StepExecutor
 from runtime.grammar import GrammarError, GrammarMasks
 from runtime.package import open_package
 from runtime.sampling import sample
-from tests.tp_harness import load_runner
+from tests.tp_harness import load_runner, result_samples
 
 SCHEMAS = [
     {
@@ -100,7 +100,7 @@ def _decode(executor, plans_first, seq_lens: dict[int, int], eos: set[int], max_
             )
         step_id += 1
         launched = executor.launch(plan, previous) if live else None
-        for sample_ in executor.finish(previous).samples:
+        for sample_ in result_samples(executor.finish(previous)):
             assert not sample_.error
             if sample_.seq_id not in done:
                 out[sample_.seq_id].append(sample_.token_id)
@@ -167,7 +167,7 @@ def test_a_schema_the_rank_cannot_compile_fails_its_sequence_alone(executor, pro
     _join(first, 1, _sampling({"type": "frobnicate"}, 1, n), prompt_ids, 0)
     _join(first, 2, _sampling(SCHEMAS[1], 2, n), prompt_ids, 0)
     launched = executor.launch(first, None)
-    samples = {s.seq_id: s for s in executor.finish(launched).samples}
+    samples = {s.seq_id: s for s in result_samples(executor.finish(launched))}
     executor.launch(wire_pb2.StepPlan(step_id=2, release_seq_ids=[1, 2]), None)
     assert "grammar: " in samples[1].error and "frobnicate" in samples[1].error
     assert not samples[2].error

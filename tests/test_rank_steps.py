@@ -11,7 +11,7 @@ import torch
 from proto import wire_pb2
 from ranks.steps import StepExecutor
 from runtime.sampling import sample
-from tests.tp_harness import load_runner
+from tests.tp_harness import load_runner, result_samples
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 3, 8]]
 SAMPLING = [
@@ -49,7 +49,7 @@ def _plans(num_decode: int) -> list[wire_pb2.StepPlan]:
 
 
 def _tokens(result: wire_pb2.StepResult) -> list[int]:
-    return [s.token_id for s in result.samples]
+    return [s.token_id for s in result_samples(result)]
 
 
 def test_launching_ahead_feeds_the_unfinished_samples(tiny_checkpoints, package_cache):
@@ -126,3 +126,60 @@ def test_a_verification_row_draws_as_one_token_steps_do(tiny_checkpoints, packag
     assert _tokens(spec.finish(spec.launch(_decode_plan(3, rows), None))) == [y[4] for y in ys]
     rows = [(i + 1, [y[4]], len(p) + 4, 1) for i, (p, y) in enumerate(zip(PROMPTS, ys))]
     assert _tokens(spec.finish(spec.launch(_decode_plan(4, rows), None))) == [y[5] for y in ys]
+
+
+def _packed(plan: wire_pb2.StepPlan) -> wire_pb2.StepPlan:
+    """The plan with its decode rows as the frontend sends them (wire.proto DecodeRows)."""
+    out = wire_pb2.StepPlan(step_id=plan.step_id)
+    for i, s in enumerate(plan.seqs):
+        out.decode.seq_ids.append(s.seq_id)
+        out.decode.start_pos.append(s.start_pos)
+        out.decode.page_rows.extend([i] * len(s.new_pages))
+        out.decode.new_pages.extend(s.new_pages)
+    return out
+
+
+def test_packed_decode_rows_draw_as_their_seq_steps_do(tiny_checkpoints, package_cache):
+    """Decode rows packed in the plan (DecodeRows, pages added on the way) draw the tokens the
+    same rows sent as SeqSteps draw, launched ahead or not; a step of tokens alone comes back
+    packed, one that asks for logprobs as a Sample per row."""
+    package = package_cache(tiny_checkpoints["llama"], 1)
+    plans = _plans(num_decode=6)
+    plans[3].seqs[0].new_pages.append(1)  # each sequence gains a page on the way
+    plans[5].seqs[1].new_pages.append(5)
+
+    seq_steps = _executor(package)
+    expected = [seq_steps.finish(seq_steps.launch(p, None)) for p in plans]
+    assert all(not r.samples and len(r.sample_token_ids) == 2 for r in expected)
+
+    packed = _executor(package)
+    got, previous = [], packed.launch(plans[0], None)
+    for plan in plans[1:]:
+        launched = packed.launch(_packed(plan), previous)
+        got.append(packed.finish(previous))
+        previous = launched
+    got.append(packed.finish(previous))
+    assert [_tokens(r) for r in got] == [_tokens(r) for r in expected]
+    assert packed.seqs[1].pages == [0, 1] and packed.seqs[2].pages == [4, 5]
+
+    logprobs = _executor(package)
+    plan = _plans(num_decode=0)[0]
+    plan.new_seqs[0].sampling.num_logprobs = 2
+    result = logprobs.finish(logprobs.launch(plan, None))
+    assert not result.sample_seq_ids and [s.seq_id for s in result.samples] == [1, 2]
+    assert len(result.samples[0].top_token_ids) == 2 and not result.samples[1].top_token_ids
+    assert _tokens(result) == _tokens(expected[0])
+
+
+def test_packed_decode_rows_that_disagree_are_refused(tiny_checkpoints, package_cache):
+    executor = _executor(package_cache(tiny_checkpoints["llama"], 1))
+    executor.finish(executor.launch(_plans(num_decode=0)[0], None))
+    plan = _packed(_plans(num_decode=1)[1])
+    plan.decode.page_rows.append(7)  # a page for a row that is not there
+    plan.decode.new_pages.append(3)
+    with pytest.raises(ValueError, match="decode rows' lists disagree"):
+        executor.launch(plan, None)
+    plan = _packed(_plans(num_decode=1)[1])
+    plan.decode.page_rows.append(0)  # a row with no page
+    with pytest.raises(ValueError, match="name 1 rows for 0 new pages"):
+        executor.launch(plan, None)

@@ -17,6 +17,17 @@ import torch.multiprocessing as mp
 RUN_TIMEOUT_S = 600.0
 
 
+def result_samples(result) -> list:
+    """A StepResult's samples whichever way rank 0 sent them: a step whose samples are tokens
+    alone comes packed (wire.proto StepResult.sample_seq_ids), as Samples of a token alone."""
+    from proto import wire_pb2
+
+    if result.sample_seq_ids:
+        pairs = zip(result.sample_seq_ids, result.sample_token_ids, strict=True)
+        return [wire_pb2.Sample(seq_id=s, token_id=t) for s, t in pairs]
+    return list(result.samples)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
