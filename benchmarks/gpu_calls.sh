@@ -173,6 +173,11 @@ chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8
   wait "$bench"; wait
   tail -2 "$OUT/chain/so.log"
   python3 -m benchmarks.host_step --rows 256  # the same parts without a model, on this host's CPU
+  # the same decode with at most two steps in flight, as before 2026-12-06's third
+  timeout 200 python3 -m benchmarks.step_overhead --package $pkg --device cuda --prompt-tokens 512 \
+    --new-tokens 512 --batch 256 --two-ahead 2>&1 | tail -1
+  timeout 200 python3 -m benchmarks.step_overhead --package $pkg --device cuda --prompt-tokens 512 \
+    --new-tokens 512 --batch 256 2>&1 | tail -1
   for f in rank rank-idle core; do
     python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Engine._loop --top 30 2>&1 | head -32
     python3 -m benchmarks.spy_summary "$OUT/chain/$f.raw" --within Rank.serve --top 40 2>&1 | head -42

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import math
@@ -205,7 +206,10 @@ async def run(args) -> dict:
             prompts = [prompt(pkg, args.prompt_tokens, salt=i) for i in range(batch)]
             for overlap in (False, True) if batch == 1 else (True,):
                 mode = f"batch{batch}_" + ("overlap" if overlap else "one_at_a_time")
-                async with running_engine(engine_config(pkg, overlap), link) as engine:
+                config = engine_config(pkg, overlap)
+                if args.two_ahead:  # never three steps in flight (EngineConfig)
+                    config = dataclasses.replace(config, three_ahead_min_running=0)
+                async with running_engine(config, link) as engine:
                     report[mode] = await measure(engine, prompts, args.new_tokens)
                 if bandwidth:
                     avg_context = args.prompt_tokens + args.new_tokens / 2
@@ -269,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--batch", default="1", help="comma-separated concurrent requests (> 1: overlap only)"
     )
     p.add_argument("--out", type=Path, help="append a JSON line to DIR/step_overhead.jsonl")
+    p.add_argument(
+        "--two-ahead", action="store_true",
+        help="at most two steps in flight, as before three_ahead_min_running (EngineConfig)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     report = asyncio.run(run(args))
     if args.out:

@@ -198,6 +198,22 @@ def test_concurrent_requests_equal_their_single_outputs(tiny_tp2_server):
     assert asyncio.run(all_at_once()) == alone
 
 
+def _most_in_flight(link) -> asyncio.Future:
+    """The most steps the engine had in flight at once, sampled at every turn of its loop
+    until cancelled; awaiting it after cancelling gives the figure."""
+
+    async def watch() -> int:
+        most = 0
+        try:
+            while True:
+                most = max(most, link.steps_in_flight)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            return most
+
+    return asyncio.ensure_future(watch())
+
+
 async def _engine_tokens(engine, prompt_ids, params) -> list[tuple[int, int]]:
     outputs = engine.generate(prompt_ids, params.max_tokens, params.wire(), params.ignore_eos)
     return [(out.token_ids[0], out.finish) async for out in outputs]
@@ -207,9 +223,9 @@ def test_a_step_ahead_gives_every_request_its_single_request_tokens(
     tiny_checkpoints, package_cache
 ):
     """TP 2 through the engine: greedy and seeded sampling, all at once with the next step sent
-    ahead (ranks feeding their own samples), under KV pressure (preemptions while steps are in
-    flight) and with an EOS that is hit mid-stream (wasted rows), give each request exactly the
-    tokens it gets alone, one step at a time."""
+    ahead (ranks feeding their own samples), then with two steps ahead, under KV pressure
+    (preemptions while steps are in flight) and with an EOS that is hit mid-stream (wasted
+    rows), give each request exactly the tokens it gets alone, one step at a time."""
     pkg = open_package(
         package_cache(
             tiny_checkpoints["llama"], 2, max_batch=16, kv_page_size=4, max_step_tokens=32
@@ -233,17 +249,23 @@ def test_a_step_ahead_gives_every_request_its_single_request_tokens(
                 )
             async with running_engine(config, link) as engine:
                 alone = [await _engine_tokens(engine, *r) for r in zip(prompts, params)]
-            config = dataclasses.replace(config, overlap=True)
-            async with running_engine(config, link) as engine:
-                together = await asyncio.gather(
-                    *(_engine_tokens(engine, *r) for r in zip(prompts, params))
-                )
-                preemptions = engine.scheduler.num_preemptions
-        return alone, together, preemptions
+            runs = []
+            for ahead in (0, 1):  # two steps in flight; three from the first running sequence
+                config = dataclasses.replace(config, overlap=True, three_ahead_min_running=ahead)
+                async with running_engine(config, link) as engine:
+                    most = _most_in_flight(link)
+                    together = await asyncio.gather(
+                        *(_engine_tokens(engine, *r) for r in zip(prompts, params))
+                    )
+                    most.cancel()
+                    runs.append((together, engine.scheduler.num_preemptions, await most))
+        return alone, runs
 
-    alone, together, preemptions = asyncio.run(both_ways())
-    assert together == alone
-    assert preemptions > 0
+    alone, runs = asyncio.run(both_ways())
+    assert [most for _, _, most in runs] == [2, 3]
+    for together, preemptions, _ in runs:
+        assert together == alone
+        assert preemptions > 0
     finish = [t[-1][1] for t in alone]
     assert finish.count(core_pb2.FINISH_STOP) >= 2 and core_pb2.FINISH_LENGTH in finish
 

@@ -8,10 +8,11 @@ built in place, so an API server receives one message per step whatever its numb
 
 The loop keeps up to two steps in flight (EngineConfig.overlap): right after sending step N
 it schedules and sends N+1 without waiting for N's samples, so the ranks find the next plan
-waiting when they finish one; when N's result arrives it is applied and N+2 is sent. Steps are
-sent and applied in order. A token that N samples is not known here when N+1 is planned: N+1
-tells the ranks to feed the token each sampled itself (follows_sample, see
-runtime/scheduler.py). Everything runs on one asyncio event loop, so the scheduler is never
+waiting when they finish one; when N's result arrives it is applied and N+2 is sent. With many
+sequences running it keeps three (EngineConfig.three_ahead_min_running): N+3 is planned while
+rank 0 launches N+2 and reports N+1, not between the two. Steps are sent and applied in order.
+A token that N samples is not known here when N+1 is planned: N+1 tells the ranks to feed the
+token each sampled itself (follows_sample, see runtime/scheduler.py). Everything runs on one asyncio event loop, so the scheduler is never
 touched from two places at once.
 
 A request can fail only itself: a sequence whose part of a plan cannot be built, or whose draw
@@ -76,6 +77,15 @@ class EngineConfig:
     # Plan and send the next step while the last one runs (two in flight), so the ranks do not
     # wait for the core between steps. False: one step at a time (benchmarks compare).
     overlap: bool = True
+    # With overlap, no speculation and at least this many sequences running, three steps in
+    # flight. With two, the host's chain between two steps (rank 0 reports N, the core applies
+    # it and plans N+2, rank 0 stages N+2) must fit in one GPU step, and an H100's 256-row FP8
+    # step (8.4 ms) came every 12.6 ms (docs/performance.md, 2026-12-06). With three, the core
+    # plans while rank 0 stages and reports, so the GPU waits only when either one alone
+    # outlasts a step. Few sequences keep two: a new request would wait one more step to
+    # join, and their chain is short. Speculation keeps two: a verification row is chained
+    # behind at most one in flight (runtime/scheduler.py). 0: never three.
+    three_ahead_min_running: int = 64
     # Automatic prefix caching (runtime/prefix_cache.py); cache_salt names the package's KV.
     prefix_cache: bool = True
     cache_salt: bytes = b""
@@ -89,10 +99,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream interval must be 1 or more, got {self.stream_interval}")
-
-    @property
-    def max_steps_in_flight(self) -> int:
-        return 2 if self.overlap else 1
 
 
 @dataclass(eq=False)
@@ -408,7 +414,7 @@ class Engine:
         in_flight: deque[tuple[Step, asyncio.Future, float, bool]] = deque()
         try:
             while self._error is None:
-                if len(in_flight) < self.config.max_steps_in_flight and self._send_next(in_flight):
+                if len(in_flight) < self._steps_ahead() and self._send_next(in_flight):
                     continue
                 if not in_flight:
                     self._after_result = False
@@ -425,6 +431,16 @@ class Engine:
         finally:
             for step, fut, _, _ in in_flight:
                 self.link.abandon(step.step_id, fut)
+
+    def _steps_ahead(self) -> int:
+        """How many steps may be in flight now (EngineConfig.overlap, three_ahead_min_running)."""
+        c = self.config
+        if not c.overlap:
+            return 1
+        least = c.three_ahead_min_running
+        if least and c.speculation is None and len(self.scheduler.running) >= least:
+            return 3
+        return 2
 
     def _note_round_trip(self, result: wire_pb2.StepResult) -> None:
         """A decode step sent on the last result's account with nothing else in flight: the
