@@ -156,7 +156,7 @@ class StepExecutor:
             self.seqs[new.seq_id] = self._new_state(new.sampling)
         inputs, rows, feeds, errors, draft_rows = [], [], False, {}, []
         for s in plan.seqs:
-            state = self.seqs[s.seq_id]
+            state = self._state(s.seq_id)
             state.pages.extend(s.new_pages)
             fed_row = previous.row_of(s.seq_id) if s.follows_sample and previous else -1
             if fed_row >= 0:
@@ -214,9 +214,9 @@ class StepExecutor:
                 f"step plan: the decode rows name {len(page_rows)} rows for "
                 f"{len(new_pages)} new pages"
             )
-        seqs, feeds, j = self.seqs, False, 0
+        feeds, j = False, 0
         for i, (seq_id, pos) in enumerate(zip(d.seq_ids, d.start_pos)):
-            state = seqs[seq_id]
+            state = self._state(seq_id)
             while j < len(page_rows) and page_rows[j] == i:
                 state.pages.append(new_pages[j])
                 j += 1
@@ -239,6 +239,15 @@ class StepExecutor:
                 "there, rows out of order, or more sequences than positions)"
             )
         return feeds
+
+    def _state(self, seq_id: int) -> SeqState:
+        state = self.seqs.get(seq_id)
+        if state is None:
+            raise ValueError(
+                f"step plan: sequence {seq_id} is neither new in this plan nor held by this "
+                "rank: the frontend and the rank disagree"
+            )
+        return state
 
     def draw(self, launched: Launched, previous: Launched | None) -> None:
         """Mask (once `previous`'s tokens are accepted) and draw the rows of a forward step."""

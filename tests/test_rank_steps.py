@@ -183,3 +183,7 @@ def test_packed_decode_rows_that_disagree_are_refused(tiny_checkpoints, package_
     plan.decode.page_rows.append(0)  # a row with no page
     with pytest.raises(ValueError, match="name 1 rows for 0 new pages"):
         executor.launch(plan, None)
+    plan = _packed(_plans(num_decode=1)[1])
+    plan.decode.seq_ids[1] = 9  # a sequence the rank never held
+    with pytest.raises(ValueError, match="sequence 9 is neither new"):
+        executor.launch(plan, None)
