@@ -48,6 +48,11 @@ smol_package() {
     --force >/dev/null
 }
 
+# The lines of gpu_serving.sh's output worth bringing back: the sweep's table, TTFT, errors.
+sweep_lines() {
+  grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
+}
+
 case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
@@ -115,7 +120,7 @@ httpab)  # issue 16 through HTTP: this tree (steps of >= 48 decode rows beside p
     [ "$run" = new2 ] && [ "$SECONDS" -gt 400 ] && break
     date -u +"%T $run (${SECONDS} s)"
     dir=.; [ "$run" = old ] && dir=.abold
-    (cd "$dir" && OUT=$OUT/$run bash benchmarks/gpu_serving.sh 2>&1 | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12)
+    (cd "$dir" && OUT=$OUT/$run bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines)
     pkill -f " -m ranks " || true
   done
   ;;
@@ -133,7 +138,7 @@ httpfp8)  # issues 16 and 20 through HTTP: the 8B with FP8 weights (bf16 KV page
     [ "$run" = fp8kv ] && args="--kv-dtype fp8"
     [ "$run" = bf16 ] && pkg=/tmp/orbit-8b-256
     PKG=$pkg SERVE_ARGS=$args OUT=$OUT/$run bash benchmarks/gpu_serving.sh 2>&1 \
-      | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12
+      | sweep_lines
     pkill -f " -m ranks " || true
   done
   ;;
@@ -146,12 +151,12 @@ http16)  # issue 16 on this card: the 8B with FP8 weights and FP8 KV pages (the 
     --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
   PKG=/tmp/orbit-8b-256-fp8kv PART=all LEVELS=64,256 REF_LEVELS=64,256 SWEEP_TIMEOUT=200 \
     CORE_TIMEOUT=150 STEP_TIMEOUT=150 OUT=$OUT/fp8kv bash benchmarks/gpu_serving.sh 2>&1 \
-    | grep -E "│|TTFT ms|rror|Trace|exited|in-process|tok/s|tokens/s" | tail -16
+    | sweep_lines "|in-process|tok/s|tokens/s" 16
   pkill -f " -m ranks " || true
   if [ "$SECONDS" -lt 380 ]; then
     date -u +"%T bf16 (${SECONDS} s)"
     PART=http LEVELS=64,256 SWEEP_TIMEOUT=200 OUT=$OUT/bf16 bash benchmarks/gpu_serving.sh 2>&1 \
-      | grep -E "│|TTFT ms|rror|Trace|exited" | tail -12
+      | sweep_lines
   fi
   ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV

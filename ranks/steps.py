@@ -369,25 +369,25 @@ class StepExecutor:
         proposals = self._draft(launched, tokens)
         for (_, state, _), token in zip(rows, tokens):
             state.last_token = token
-        if self.rank != 0 or not rows:
-            pass
-        elif proposals or launched.errors or launched.drawn is not None and _asks_logprobs(rows):
-            drawn = launched.drawn or [Sampled(t, float("nan"), ()) for t in tokens]
-            for i, ((seq_id, _, _), d) in enumerate(zip(rows, drawn)):
-                result.samples.append(
-                    wire_pb2.Sample(
-                        seq_id=seq_id,
-                        token_id=d.token_id,
-                        logprob=d.logprob,
-                        top_token_ids=[t for t, _ in d.top],
-                        top_logprobs=[lp for _, lp in d.top],
-                        error=launched.errors.get(i, ""),
-                        proposals=proposals.get(i, ()),
+        if self.rank == 0 and rows:
+            # (a step sampled on the device asked for no logprobs: launched.drawn is None)
+            if proposals or launched.errors or launched.drawn and _asks_logprobs(rows):
+                drawn = launched.drawn or [Sampled(t, float("nan"), ()) for t in tokens]
+                for i, ((seq_id, _, _), d) in enumerate(zip(rows, drawn)):
+                    result.samples.append(
+                        wire_pb2.Sample(
+                            seq_id=seq_id,
+                            token_id=d.token_id,
+                            logprob=d.logprob,
+                            top_token_ids=[t for t, _ in d.top],
+                            top_logprobs=[lp for _, lp in d.top],
+                            error=launched.errors.get(i, ""),
+                            proposals=proposals.get(i, ()),
+                        )
                     )
-                )
-        else:  # tokens alone: packed (wire.proto StepResult.sample_seq_ids)
-            result.sample_seq_ids.extend([seq_id for seq_id, _, _ in rows])
-            result.sample_token_ids.extend(tokens)
+            else:  # tokens alone: packed (wire.proto StepResult.sample_seq_ids)
+                result.sample_seq_ids.extend([seq_id for seq_id, _, _ in rows])
+                result.sample_token_ids.extend(tokens)
         if launched.gpu_start is not None and launched.copied is not None:
             result.gpu_s = launched.gpu_start.elapsed_time(launched.copied) / 1e3
         result.execute_s = time.perf_counter() - launched.started

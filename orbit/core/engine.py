@@ -12,8 +12,8 @@ waiting when they finish one; when N's result arrives it is applied and N+2 is s
 sequences running it keeps three (EngineConfig.three_ahead_min_running): N+3 is planned while
 rank 0 launches N+2 and reports N+1, not between the two. Steps are sent and applied in order.
 A token that N samples is not known here when N+1 is planned: N+1 tells the ranks to feed the
-token each sampled itself (follows_sample, see runtime/scheduler.py). Everything runs on one asyncio event loop, so the scheduler is never
-touched from two places at once.
+token each sampled itself (follows_sample, see runtime/scheduler.py). Everything runs on one
+asyncio event loop, so the scheduler is never touched from two places at once.
 
 A request can fail only itself: a sequence whose part of a plan cannot be built, or whose draw
 fails on the ranks, ends alone with ERROR_SEQUENCE_FAILED. A step loop that dies of a bug fails
@@ -622,15 +622,12 @@ def _verification_samples(samples) -> tuple[dict, dict]:
     by_seq: dict[int, list] = {}
     for s in samples:
         by_seq.setdefault(s.seq_id, []).append(s)
-    tokens = {
-        seq_id: [s.token_id for s in ss] if len(ss) > 1 else ss[0].token_id
-        for seq_id, ss in by_seq.items()
-    }
-    return by_seq, tokens
+    return by_seq, _verification_tokens((s.seq_id, s.token_id) for s in samples)
 
 
 def _verification_tokens(pairs) -> dict:
-    """_verification_samples' tokens from packed (seq_id, token) pairs."""
+    """What Scheduler.apply takes from a verification step's (seq_id, token) pairs: each
+    sequence's token, or its verification row's tokens in position order."""
     by_seq: dict[int, list[int]] = {}
     for seq_id, token in pairs:
         by_seq.setdefault(seq_id, []).append(token)
