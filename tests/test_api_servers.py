@@ -18,10 +18,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from benchmarks.step_overhead import engine_config, local_ranks, running_engine
 from orbit.core.api_link import STATUS_INTERVAL_S, ApiLink
 from orbit.core.api_servers import default_api_servers
-from orbit.core.engine import Engine, EngineConfig
+from orbit.core.engine import Engine, EngineConfig, Sink
 from proto import core_pb2, wire_pb2
+from runtime.package import open_package
 from tests.server import ServerProcess, alive, children
 
 MAX_TOKENS = 200
@@ -375,3 +377,64 @@ def test_a_stream_that_fell_behind_takes_the_steps_waiting_as_one_output(tmp_pat
     assert tokens == ([[10], [11, 12, 13]] if lagging else [[10], [11], [12], [13]])
     assert got[-1].finish == core_pb2.FINISH_LENGTH
     assert all(out.finish == core_pb2.FINISH_NONE for out in got[:-1])
+
+
+class _Recorded(Sink):
+    """An owner that keeps every StepOutputs the core delivers to it, in order."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[core_pb2.StepOutputs] = []
+
+    def deliver(self, outputs: core_pb2.StepOutputs) -> None:
+        self.steps.append(outputs)
+
+
+def test_a_step_packs_its_one_token_outputs_and_keeps_the_rest_whole(tp2_pkg):
+    """The core's outputs of a step to one owner: a sequence's first output (it carries the
+    first token's timing), its last (the finish) and every output of a sequence that asked for
+    logprobs are SeqOutputs; every other one-token output travels packed (next_keys,
+    next_tokens). Read back in order, each sequence's tokens are what the in-process path,
+    which delivers one SeqOutput per sequence per step, gives it."""
+    pkg = open_package(tp2_pkg)
+    prompts = [[(300 + 17 * i + 101 * j) % 4000 for j in range(5 + 3 * i)] for i in range(3)]
+    wants = [-1, -1, 2]  # the third asks for the two best tokens' logprobs
+    max_tokens = 12
+
+    async def run():
+        config = engine_config(pkg, overlap=True)
+        async with (
+            local_ranks(pkg, "cpu", kv_pages=64) as link,
+            running_engine(config, link) as engine,
+        ):
+            sink = _Recorded()
+            for key, (prompt, k) in enumerate(zip(prompts, wants)):
+                sampling = wire_pb2.SamplingParams(temperature=0, num_logprobs=k)
+                engine.submit(sink, key, prompt, max_tokens, sampling, ignore_eos=True)
+            while sum(o.finish != 0 for s in sink.steps for o in s.outputs) < len(prompts):
+                await asyncio.sleep(0.01)
+            alone = []
+            for prompt, k in zip(prompts, wants):
+                params = wire_pb2.SamplingParams(temperature=0, num_logprobs=k)
+                outs = engine.generate(prompt, max_tokens, params, True)
+                alone.append([t async for out in outs for t in out.token_ids])
+        return sink.steps, alone
+
+    steps, alone = asyncio.run(run())
+    tokens: dict[int, list[int]] = {key: [] for key in range(len(prompts))}
+    packed = {key: 0 for key in tokens}
+    for step in steps:
+        keys = [o.seq_key for o in step.outputs] + list(step.next_keys)
+        assert len(keys) == len(set(keys)), "a sequence twice in one step's outputs"
+        assert len(step.next_keys) == len(step.next_tokens)
+        for out in step.outputs:
+            first, last = not tokens[out.seq_key], out.finish != core_pb2.FINISH_NONE
+            assert first or last or wants[out.seq_key] >= 0, f"{out} was not packed"
+            assert len(out.logprobs) == (len(out.token_ids) if wants[out.seq_key] >= 0 else 0)
+            tokens[out.seq_key] += out.token_ids
+        for key, token in zip(step.next_keys, step.next_tokens):
+            assert wants[key] < 0, "a sequence that asked for logprobs was packed"
+            tokens[key].append(token)
+            packed[key] += 1
+    assert [tokens[key] for key in sorted(tokens)] == alone
+    assert packed == {0: max_tokens - 2, 1: max_tokens - 2, 2: 0}

@@ -136,6 +136,10 @@ class _Queues(Sink):
             queue = self.queues.get(out.seq_key)
             if queue is not None:
                 queue.put_nowait(out)
+        for key, token in zip(outputs.next_keys, outputs.next_tokens, strict=True):
+            queue = self.queues.get(key)
+            if queue is not None:
+                queue.put_nowait(core_pb2.SeqOutput(seq_key=key, token_ids=(token,)))
 
 
 class Engine:
@@ -559,9 +563,15 @@ class Engine:
             first = len(seq.output_ids) == n
             if n < interval and not first and seq.finish_reason is None:
                 continue
-            outputs = by_sink.get(owner.sink)
-            if outputs is None:
-                outputs = by_sink[owner.sink] = core_pb2.StepOutputs()
+            batch = by_sink.get(owner.sink)
+            if batch is None:
+                batch = by_sink[owner.sink] = _SinkOutputs()
+            if n == 1 and not first and seq.finish_reason is None and not owner.logprobs:
+                batch.keys.append(owner.key)  # packed (StepOutputs.next_keys)
+                batch.tokens.append(seq.output_ids[-1])
+                owner.held = 0
+                continue
+            outputs = batch.outputs
             ids = (seq.output_ids[-1],) if n == 1 else seq.output_ids[-n:]
             out = outputs.outputs.add(seq_key=owner.key, token_ids=ids)
             owner.held = 0
@@ -577,8 +587,10 @@ class Engine:
                 out.finish = _FINISH[seq.finish_reason]
                 del owners[seq.seq_id]
                 owner.sink.live.pop(owner.key, None)
-        for sink, outputs in by_sink.items():
-            sink.deliver(outputs)
+        for sink, batch in by_sink.items():
+            batch.outputs.next_keys.extend(batch.keys)
+            batch.outputs.next_tokens.extend(batch.tokens)
+            sink.deliver(batch.outputs)
 
     def _sample_failed(self, sample: wire_pb2.Sample) -> None:
         owner = self._owners.get(sample.seq_id)
@@ -586,6 +598,18 @@ class Engine:
         if seq is not None and seq.status is Status.RUNNING:
             log.error("sampling sequence %d failed on the ranks: %s", seq.seq_id, sample.error)
             self._fail_sequence(seq, f"sampling failed: {sample.error}")
+
+
+class _SinkOutputs:
+    """One owner's outputs of a step while _deliver builds them: the packed ones gathered in
+    lists and added to the message at once."""
+
+    __slots__ = ("keys", "outputs", "tokens")
+
+    def __init__(self):
+        self.outputs = core_pb2.StepOutputs()
+        self.keys: list[int] = []
+        self.tokens: list[int] = []
 
 
 def _first_token_timing(

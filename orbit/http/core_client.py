@@ -291,17 +291,30 @@ class CoreClient:
                 continue
             kind = msg.WhichOneof("kind")
             if kind == "outputs":
-                by_key = self._outputs
-                for out in msg.outputs.outputs:
-                    outputs = by_key.get(out.seq_key)
-                    if outputs is not None:
-                        outputs.put(out)
+                self._put_outputs(msg.outputs)
             elif kind == "status":
                 self._status, self._status_at = msg.status, time.monotonic()
             elif kind == "metrics":
                 reply = self._queries.get(msg.metrics.query_id)
                 if reply is not None and not reply.done():
                     reply.set_result(msg.metrics.text)
+
+    def _put_outputs(self, step: core_pb2.StepOutputs) -> None:
+        by_key = self._outputs
+        for out in step.outputs:
+            outputs = by_key.get(out.seq_key)
+            if outputs is not None:
+                outputs.put(out)
+        keys, tokens = step.next_keys, step.next_tokens
+        if len(keys) != len(tokens):
+            log.error(
+                "dropped a step's packed outputs: %d keys for %d tokens", len(keys), len(tokens)
+            )
+            return
+        for key, token in zip(keys, tokens):
+            outputs = by_key.get(key)
+            if outputs is not None:
+                outputs.put(core_pb2.SeqOutput(seq_key=key, token_ids=(token,)))
 
     async def _watch(self) -> None:
         """Send this server's status every second; a core silent for CORE_SILENCE_S is dead."""
