@@ -160,7 +160,7 @@ http16)  # issue 16 on this card: the 8B with FP8 weights and FP8 KV pages (the 
   fi
   ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
-  # pages: 8.4 ms of GPU a step against a 12.6 ms token interval on an H100, 2026-12-06):
+  # pages; on an H100 the GPU step was the 12.6 ms interval, the chain 1.6 ms, 2026-12-06 15:48):
   # py-spy (carry .spy, its wheel) on rank 0, busy and idle, and on the engine's process
   pkill -f " -m ranks " || true
   pip install -q --no-index --no-deps --target /tmp/spy .spy/*.whl >/dev/null 2>&1
@@ -171,10 +171,17 @@ chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8
     --new-tokens 1024 --batch 256 --out "$OUT/chain" >"$OUT/chain/so.log" 2>&1 &
   bench=$!
   for _ in $(seq 120); do rank=$(pgrep -f " -m ranks " | head -1); [ -n "$rank" ] && break; sleep 0.5; done
-  date -u +"%T rank $rank, engine $bench"
-  $spy record -p "$rank" --rate 250 --format raw --nonblocking -o "$OUT/chain/rank.raw" -d 45 >/dev/null 2>&1 &
-  $spy record -p "$rank" --rate 250 --format raw --nonblocking --idle -o "$OUT/chain/rank-idle.raw" -d 45 >/dev/null 2>&1 &
-  $spy record -p "$bench" --rate 250 --format raw --nonblocking -o "$OUT/chain/core.raw" -d 45 >/dev/null 2>&1 &
+  # Sample the steps, not the start-up: a 45 s window from the rank's start held only its load
+  # and capture (2026-12-06). Wait for the GPU to be busy (the decode of 1,024 tokens at 256
+  # rows lasts about 16 s on an H100).
+  for _ in $(seq 360); do
+    busy=$(nvidia-smi --query-gpu=utilization.gpu --format=csv,noheader,nounits | head -1)
+    [ "${busy:-0}" -ge 50 ] && break; sleep 0.5
+  done
+  date -u +"%T rank $rank, engine $bench, GPU ${busy}% busy"
+  $spy record -p "$rank" --rate 250 --format raw --nonblocking -o "$OUT/chain/rank.raw" -d 10 >/dev/null 2>&1 &
+  $spy record -p "$rank" --rate 250 --format raw --nonblocking --idle -o "$OUT/chain/rank-idle.raw" -d 10 >/dev/null 2>&1 &
+  $spy record -p "$bench" --rate 250 --format raw --nonblocking -o "$OUT/chain/core.raw" -d 10 >/dev/null 2>&1 &
   wait "$bench"; wait
   tail -2 "$OUT/chain/so.log"
   python3 -m benchmarks.host_step --rows 256  # the same parts without a model, on this host's CPU

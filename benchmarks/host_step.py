@@ -6,8 +6,8 @@ samples), the parts of the chain between two steps that are the same on every de
 
 With the frontend one step ahead, a GPU waits between steps whenever this chain (rank 0
 reports step N, the core applies it and plans N+2, rank 0 stages N+2) outlasts a step on the
-GPU: on an H100 with FP8 weights and KV, a 256-row step took 8.4 ms of GPU and came every
-12.6 ms (docs/performance.md, 2026-12-06). The core runs the real Engine and Scheduler over a
+GPU (on an H100 with FP8 weights and KV, 1.6 ms on that host against a 12.6 ms 256-row step:
+docs/performance.md, 2026-12-06 15:48). The core runs the real Engine and Scheduler over a
 link that answers each plan at once, its own time less the stand-in's; the rank runs the real
 StepExecutor over a runner that returns logits without computing any, plans made as the
 engine makes them. Both print ms per step.

@@ -566,28 +566,54 @@ def warm_up(pool: ClientPool, base: ClientJob, num_procs: int) -> None:
         raise SweepError(f"warm-up request failed: {failed[0]}")
 
 
-def rank_wait_s(url: str, api_key: str) -> float | None:
-    """orbit_rank_wait_seconds_total from /metrics: rank 0 idle while the core planned its next
-    step (None from a server that does not export it)."""
+# The core's counters a level is read between: rank 0 idle while the core planned its next
+# step; the steps, the tokens they computed and rank 0's GPU time in them.
+COUNTERS = (
+    "orbit_rank_wait_seconds_total",
+    "orbit_steps_total",
+    "orbit_step_tokens_total",
+    "orbit_gpu_seconds_total",
+)
+
+
+def core_counters(url: str, api_key: str) -> dict[str, float]:
+    """COUNTERS from /metrics (those a server exports)."""
     headers = {"Authorization": f"Bearer {api_key}"}
     text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    found = {}
     for line in text.splitlines():
-        if line.startswith("orbit_rank_wait_seconds_total "):
-            return float(line.split()[1])
-    return None
+        name, _, value = line.partition(" ")
+        if name in COUNTERS:
+            found[name] = float(value)
+    return found
+
+
+def step_figures(before: dict, after: dict, wall_s: float) -> dict:
+    """A level's share of the wall time rank 0 waited for a plan, and its steps: how many, the
+    tokens each computed and rank 0's GPU time each, on average (what sets the tokens/s when
+    the GPU is busy: the same requests in fewer, fuller steps go faster)."""
+    d = {k: after[k] - before[k] for k in COUNTERS if k in before and k in after}
+    out = {}
+    if "orbit_rank_wait_seconds_total" in d and wall_s:
+        out["rank_wait_frac"] = round(d["orbit_rank_wait_seconds_total"] / wall_s, 4)
+    steps = d.get("orbit_steps_total")
+    if steps:
+        out["steps"] = int(steps)
+        if "orbit_step_tokens_total" in d:
+            out["tokens_per_step"] = round(d["orbit_step_tokens_total"] / steps, 1)
+        if d.get("orbit_gpu_seconds_total"):
+            out["gpu_ms_per_step"] = round(d["orbit_gpu_seconds_total"] / steps * 1e3, 3)
+    return out
 
 
 def measure_level(
     pool: ClientPool, jobs: list, gpu: GpuSampler | None, server_pid, url: str, api_key: str
 ) -> dict:
     cpu_before = process_tree(server_pid, skip_ranks=True) if server_pid else None
-    wait_before = rank_wait_s(url, api_key)
+    counters_before = core_counters(url, api_key)
     records = pool.run(jobs)
     level, window = summarize_level(sum(job.streams for job in jobs), records)
-    wait_after = rank_wait_s(url, api_key)
-    if wait_before is not None and wait_after is not None and level.get("wall_s"):
-        # the share of the level's wall time the GPU waited for the core's next plan
-        level["rank_wait_frac"] = round((wait_after - wait_before) / level["wall_s"], 4)
+    level.update(step_figures(counters_before, core_counters(url, api_key), level.get("wall_s")))
     if server_pid:
         cpu_after = process_tree(server_pid, skip_ranks=True)
         tokens = level.get("output_tokens", 0)

@@ -255,10 +255,19 @@ async def in_process_levels(
                 async with gate:
                     return len(await token_times(engine, ids, new_tokens))
 
+            before = engine.steps, engine.step_tokens, engine.gpu_seconds
             t0 = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(ids) for ids in requests)))
             out[level] = round(tokens / (time.perf_counter() - t0), 2)
-            print(f"in-process concurrency {level}: {out[level]} tokens/s", flush=True)
+            # the same step figures as the sweep's through HTTP (serving_sweep.step_figures)
+            steps = engine.steps - before[0]
+            per_step = (engine.step_tokens - before[1]) / max(steps, 1)
+            gpu_ms = (engine.gpu_seconds - before[2]) / max(steps, 1) * 1e3
+            print(
+                f"in-process concurrency {level}: {out[level]} tokens/s ({steps} steps, "
+                f"{per_step:.1f} tokens and {gpu_ms:.3f} ms of GPU a step)",
+                flush=True,
+            )
     return out
 
 

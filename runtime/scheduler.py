@@ -173,6 +173,7 @@ class Step:
     step_id: int
     released: list[int]  # seq ids whose rank state is dropped before the step
     chunks: list[SeqChunk]
+    num_tokens: int = 0  # the tokens its chunks compute, together
 
     @property
     def sampling_chunks(self) -> list[SeqChunk]:
@@ -320,7 +321,7 @@ class Scheduler:
         if not chunks and not released:
             return None
         self._next_step_id += 1
-        return Step(step_id, released, chunks)
+        return Step(step_id, released, chunks, self.config.max_step_tokens - budget)
 
     def _take_cached(self, seq: Sequence, step_id: int) -> bool:
         """Put the cached pages seq starts with in its page table, counted as computed; False

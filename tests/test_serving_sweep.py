@@ -40,6 +40,13 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
         assert 0 < level["ttft_ms"]["p50"] <= level["ttft_ms"]["p99"]
         assert 0 < level["itl_ms"]["p50"] <= level["itl_ms"]["p90"] <= level["itl_ms"]["p99"]
         assert level["tokens_per_chunk"] >= 1
+        # the core's steps in the level: each request's prompt (16 tokens, fewer where the
+        # prefix cache served some) and a decode row for each output token but its last
+        assert level["steps"] >= NEW_TOKENS
+        computed = level["steps"] * level["tokens_per_step"]
+        n = level["requests"]
+        assert n * (NEW_TOKENS - 1) - 1 <= computed <= n * (16 + NEW_TOKENS) + 1
+        assert "gpu_ms_per_step" not in level  # rank 0's GPU time: none on the CPU
         cpu = level["frontend_cpu"]
         assert cpu["us_per_token"] > 0
         roles = {p["role"] for p in cpu["processes"]}

@@ -79,10 +79,11 @@ class EngineConfig:
     overlap: bool = True
     # With overlap, no speculation and at least this many sequences running, three steps in
     # flight. With two, the host's chain between two steps (rank 0 reports N, the core applies
-    # it and plans N+2, rank 0 stages N+2) must fit in one GPU step, and an H100's 256-row FP8
-    # step (8.4 ms) came every 12.6 ms (docs/performance.md, 2026-12-06). With three, the core
+    # it and plans N+2, rank 0 stages N+2) must fit in one GPU step. With three, the core
     # plans while rank 0 stages and reports, so the GPU waits only when either one alone
-    # outlasts a step. Few sequences keep two: a new request would wait one more step to
+    # outlasts a step: a margin for short steps and slow links (TP across hosts). On an H100
+    # the 256-row FP8 step (12.6 ms) outlasts the 1.6 ms chain, and two or three gave the same
+    # interval (docs/performance.md, 2026-12-06 15:48). Few sequences keep two: a new request would wait one more step to
     # join, and their chain is short. Speculation keeps two: a verification row is chained
     # behind at most one in flight (runtime/scheduler.py). 0: never three.
     three_ahead_min_running: int = 64
@@ -156,6 +157,8 @@ class Engine:
         self._local = _Queues()
         self._local_keys = itertools.count(1)
         self.steps = 0
+        self.step_tokens = 0  # tokens the answered steps computed (prompt chunks and decode rows)
+        self.gpu_seconds = 0.0  # rank 0's GPU time in them (StepResult.gpu_s; 0 on the CPU)
         self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
         # Time rank 0 sat with nothing queued while this engine was preparing the next step.
         self.rank_wait_seconds = 0.0
@@ -324,6 +327,12 @@ class Engine:
         lines += [
             "# TYPE orbit_steps_total counter",
             f"orbit_steps_total {self.steps}",
+            "# HELP orbit_step_tokens_total Tokens computed by the steps (prompt and decode).",
+            "# TYPE orbit_step_tokens_total counter",
+            f"orbit_step_tokens_total {self.step_tokens}",
+            "# HELP orbit_gpu_seconds_total Rank 0's GPU time in the steps (0 on the CPU).",
+            "# TYPE orbit_gpu_seconds_total counter",
+            f"orbit_gpu_seconds_total {self.gpu_seconds:.6f}",
             "# TYPE orbit_step_seconds_total counter",
             f"orbit_step_seconds_total {self.step_seconds:.6f}",
             "# HELP orbit_rank_wait_seconds_total Rank 0 idle, waiting for a step being planned.",
@@ -531,6 +540,8 @@ class Engine:
         self.step_seconds += now - max(sent_at, self._last_result_at)
         self._last_result_at = now
         self.steps += 1
+        self.step_tokens += step.num_tokens
+        self.gpu_seconds += result.gpu_s
         self.recent_timings.append((result.execute_s, result.gpu_s))
         return step, result
 
