@@ -83,9 +83,10 @@ class EngineConfig:
     # plans while rank 0 stages and reports, so the GPU waits only when either one alone
     # outlasts a step: a margin for short steps and slow links (TP across hosts). On an H100
     # the 256-row FP8 step (12.6 ms) outlasts the 1.6 ms chain, and two or three gave the same
-    # interval (docs/performance.md, 2026-12-06 15:48). Few sequences keep two: a new request would wait one more step to
-    # join, and their chain is short. Speculation keeps two: a verification row is chained
-    # behind at most one in flight (runtime/scheduler.py). 0: never three.
+    # interval (docs/performance.md, 2026-12-06 15:48). Few sequences keep two: a new request
+    # would wait one more step to join, and their chain is short. Speculation keeps two: a
+    # verification row is chained behind at most one in flight (runtime/scheduler.py). 0:
+    # never three.
     three_ahead_min_running: int = 64
     # Automatic prefix caching (runtime/prefix_cache.py); cache_salt names the package's KV.
     prefix_cache: bool = True
