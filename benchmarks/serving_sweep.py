@@ -829,6 +829,14 @@ def _reference(level: dict, key: str) -> str:
     return "-" if not ref else f"{ref['tokens_per_s']:,.0f} ({ref['http_ratio']:.2f})"
 
 
+def _steps(level: dict) -> str:
+    if not level.get("steps"):
+        return "-"
+    gpu = level.get("gpu_ms_per_step")
+    each = _fmt(level.get("tokens_per_step")) + (f", {gpu:.2f}" if gpu else "")
+    return f"{level['steps']:,} ({each})"
+
+
 def print_report(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -838,6 +846,7 @@ def print_report(report: dict) -> None:
         table.add_column(name, justify="right")
     for name in ("ITL ms p50/90/99", "tok/chunk", "GPU busy", "waits plan", "CPU µs/tok"):
         table.add_column(name, justify="right")
+    table.add_column("steps (tok, GPU ms each)", justify="right")
     table.add_column("ranks only tok/s (HTTP/it)", justify="right")
     table.add_column("in-process tok/s (HTTP/it)", justify="right")
     for level in report["levels"]:
@@ -850,7 +859,7 @@ def print_report(report: dict) -> None:
             "/".join(_fmt(itl.get(f"p{q}"), 2) for q in PERCENTILES),
             _fmt(level.get("tokens_per_chunk"), 2), "-" if busy is None else f"{busy:.0%}",
             _share(level.get("rank_wait_frac")),
-            _fmt(level.get("frontend_cpu", {}).get("us_per_token")),
+            _fmt(level.get("frontend_cpu", {}).get("us_per_token")), _steps(level),
             _reference(level, "ranks_only"), _reference(level, "in_process_core"),
         )  # fmt: skip
     console = Console(width=max(Console().width, 200))  # a pipe gets 80 columns otherwise
