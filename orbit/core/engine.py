@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from orbit.core.rank_link import PackageMismatch, RankFailure, RankLink
 from proto import core_pb2, wire_pb2
+from proto.outputs import seq_outputs
 from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
 from runtime.speculation import SpeculationConfig
 
@@ -134,14 +135,10 @@ class _Queues(Sink):
         self.queues: dict[int, asyncio.Queue] = {}
 
     def deliver(self, outputs: core_pb2.StepOutputs) -> None:
-        for out in outputs.outputs:
+        for out in seq_outputs(outputs):
             queue = self.queues.get(out.seq_key)
             if queue is not None:
                 queue.put_nowait(out)
-        for key, token in zip(outputs.next_keys, outputs.next_tokens, strict=True):
-            queue = self.queues.get(key)
-            if queue is not None:
-                queue.put_nowait(core_pb2.SeqOutput(seq_key=key, token_ids=(token,)))
 
 
 class Engine:

@@ -26,6 +26,7 @@ import zmq
 import zmq.asyncio
 
 from proto import core_pb2, wire_pb2
+from proto.outputs import seq_outputs
 
 log = logging.getLogger("orbit.http")
 
@@ -301,20 +302,13 @@ class CoreClient:
 
     def _put_outputs(self, step: core_pb2.StepOutputs) -> None:
         by_key = self._outputs
-        for out in step.outputs:
-            outputs = by_key.get(out.seq_key)
-            if outputs is not None:
-                outputs.put(out)
-        keys, tokens = step.next_keys, step.next_tokens
-        if len(keys) != len(tokens):
-            log.error(
-                "dropped a step's packed outputs: %d keys for %d tokens", len(keys), len(tokens)
-            )
-            return
-        for key, token in zip(keys, tokens):
-            outputs = by_key.get(key)
-            if outputs is not None:
-                outputs.put(core_pb2.SeqOutput(seq_key=key, token_ids=(token,)))
+        try:
+            for out in seq_outputs(step):
+                outputs = by_key.get(out.seq_key)
+                if outputs is not None:
+                    outputs.put(out)
+        except ValueError as e:
+            log.error("dropped a step's packed outputs: %s", e)
 
     async def _watch(self) -> None:
         """Send this server's status every second; a core silent for CORE_SILENCE_S is dead."""
