@@ -126,8 +126,37 @@ def alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     # A zombie still answers kill(0); it is gone for our purposes.
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def started_at(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, None once it is gone: with a pid
+    it names one process, where a pid alone may be reused (pid_max is 32,768 on CI)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def left_behind(procs: dict[int, int | None]) -> list[str]:
+    """What is still running of {pid: started_at(pid)}, a line each, for an assertion's
+    message: its state, parent and command line."""
+    left = []
+    for pid, start in procs.items():
+        fields = _stat(pid)
+        if fields is None or fields[0] == "Z" or int(fields[19]) != start:
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        left.append(f"pid {pid} state {fields[0]} parent {fields[1]}: {cmd[:300]}")
+    return left
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from its state field on (the command name before it may hold spaces)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return False
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
