@@ -25,8 +25,10 @@ first gives `tokens` samples of (its arrival - the previous chunk's arrival) / t
 token after the first chunk counts once; the raw gaps between chunks are reported too.
 
 --ranks-only runs benchmarks.step_overhead for the same batches once the HTTP levels are done
-(and a server this script started is stopped); --in-process-core calls the engine-core hook
-(in_process_figures below). Both are put beside the HTTP figure with the ratio HTTP / them.
+(and a server this script started is stopped); --in-process-core submits the same requests to
+an engine core in this process (benchmarks.step_overhead.in_process_levels), which prints each
+level's step figures as the HTTP levels give them. Both are put beside the HTTP figure with the
+ratio HTTP / them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import itertools
 import json
 import math
@@ -212,6 +213,10 @@ class ClientPool:
             conn.send(job)
         return [RequestRecord(**r) for conn in self.conns[: len(jobs)] for r in conn.recv()]
 
+    def cpu_seconds(self) -> list[float]:
+        """Each client process's CPU time so far (0 for one that is gone)."""
+        return [(proc_stat(str(proc.pid)) or (0, 0.0))[1] for proc in self.procs]
+
     def __enter__(self) -> Self:
         return self
 
@@ -278,7 +283,9 @@ def summarize_level(concurrency: int, records: list[RequestRecord]) -> tuple[dic
     level["wall_s"] = round(wall_s, 4)
     level["output_tokens_per_s"] = round(output_tokens / wall_s, 2)
     level["requests_per_s"] = round(len(ok) / wall_s, 3)
-    level["ttft_ms"] = percentiles_ms([r.times_s[0] - r.sent_s for r in ok])
+    ttfts_s = [r.times_s[0] - r.sent_s for r in ok]
+    level["ttft_ms"] = percentiles_ms(ttfts_s)
+    level["ttft_mean_ms"] = round(sum(ttfts_s) / len(ttfts_s) * 1e3, 2)  # beside the server's
     level["itl_ms"] = percentiles_ms(
         [x for r, c in zip(ok, counts) for x in itl_samples_s(r.times_s, c)]
     )
@@ -509,29 +516,23 @@ def ranks_only_figures(args, levels: list[int]) -> dict[int, float]:
     return {b: report[f"batch{b}_overlap"]["tokens_per_s"] for b in levels}
 
 
-def in_process_figures(args, levels: list[int]) -> dict[int, float] | None:
-    """HOOK for --in-process-core: the same requests submitted in-process to the engine core.
-
-    Calls benchmarks.step_overhead.in_process_levels (the lead's, not written yet) with the
-    keywords below; it is expected to return {concurrency: output tokens/s} (or a coroutine of
-    it), measured as the HTTP levels are: 2 requests per stream, prefill included. Returns None
-    while that function does not exist."""
+def in_process_figures(args, levels: list[int]) -> dict[int, float]:
+    """--in-process-core: the same requests submitted to an engine core in this process
+    (benchmarks.step_overhead.in_process_levels), {concurrency: output tokens/s} measured as
+    the HTTP levels are: REQUESTS_PER_STREAM requests per stream, prefill included."""
     from benchmarks import step_overhead
 
-    in_process_levels = getattr(step_overhead, "in_process_levels", None)
-    if in_process_levels is None:
-        return None
-    figures = in_process_levels(
-        package=args.package,
-        device=args.device,
-        tp=args.tp,
-        prompt_tokens=args.prompt_tokens,
-        new_tokens=args.new_tokens,
-        concurrencies=levels,
-        requests_per_stream=REQUESTS_PER_STREAM,
+    figures = asyncio.run(
+        step_overhead.in_process_levels(
+            package=args.package,
+            device=args.device,
+            tp=args.tp,
+            prompt_tokens=args.prompt_tokens,
+            new_tokens=args.new_tokens,
+            concurrencies=levels,
+            requests_per_stream=REQUESTS_PER_STREAM,
+        )
     )
-    if inspect.isawaitable(figures):
-        figures = asyncio.run(figures)
     return {int(c): float(v) for c, v in figures.items()}
 
 
@@ -566,22 +567,37 @@ def warm_up(pool: ClientPool, base: ClientJob, num_procs: int) -> None:
         raise SweepError(f"warm-up request failed: {failed[0]}")
 
 
-# The core's counters a level is read between: rank 0 idle while the core planned its next
-# step; the steps, the tokens they computed and rank 0's GPU time in them.
+# The server's counters a level is read between: rank 0 idle while the core planned its next
+# step; the steps, the tokens they computed and rank 0's GPU time in them, and the same three
+# for the steps that computed part of a prompt; the API servers' sums of TTFT and its parts.
+TTFT_PARTS = {
+    "ttft": "orbit_time_to_first_token_seconds",
+    "queue": "orbit_request_queue_seconds",
+    "prefill": "orbit_request_prefill_seconds",
+}
 COUNTERS = (
     "orbit_rank_wait_seconds_total",
     "orbit_steps_total",
     "orbit_step_tokens_total",
     "orbit_gpu_seconds_total",
+    "orbit_prompt_steps_total",
+    "orbit_prompt_step_tokens_total",
+    "orbit_prompt_gpu_seconds_total",
+    "orbit_decode_steps_total",
+    *(f"{name}_{part}" for name in TTFT_PARTS.values() for part in ("sum", "count")),
 )
 
 
 def core_counters(url: str, api_key: str) -> dict[str, float]:
     """COUNTERS from /metrics (those a server exports)."""
     headers = {"Authorization": f"Bearer {api_key}"}
-    text = httpx.get(url + "/metrics", headers=headers, timeout=30).text
+    return parse_counters(httpx.get(url + "/metrics", headers=headers, timeout=30).text)
+
+
+def parse_counters(metrics_text: str) -> dict[str, float]:
+    """COUNTERS from the text of /metrics, or of Engine.metrics_text in process."""
     found = {}
-    for line in text.splitlines():
+    for line in metrics_text.splitlines():
         name, _, value = line.partition(" ")
         if name in COUNTERS:
             found[name] = float(value)
@@ -591,18 +607,52 @@ def core_counters(url: str, api_key: str) -> dict[str, float]:
 def step_figures(before: dict, after: dict, wall_s: float) -> dict:
     """A level's share of the wall time rank 0 waited for a plan, and its steps: how many, the
     tokens each computed and rank 0's GPU time each, on average (what sets the tokens/s when
-    the GPU is busy: the same requests in fewer, fuller steps go faster)."""
+    the GPU is busy: the same requests in fewer, fuller steps go faster). Then the same split
+    between the steps that computed part of a prompt and the steps of decode rows alone (one
+    token a row without speculation), which tells fewer-rowed steps from more mixed ones; the
+    steps left over only released sequences' state."""
     d = {k: after[k] - before[k] for k in COUNTERS if k in before and k in after}
     out = {}
     if "orbit_rank_wait_seconds_total" in d and wall_s:
         out["rank_wait_frac"] = round(d["orbit_rank_wait_seconds_total"] / wall_s, 4)
     steps = d.get("orbit_steps_total")
-    if steps:
-        out["steps"] = int(steps)
-        if "orbit_step_tokens_total" in d:
-            out["tokens_per_step"] = round(d["orbit_step_tokens_total"] / steps, 1)
-        if d.get("orbit_gpu_seconds_total"):
-            out["gpu_ms_per_step"] = round(d["orbit_gpu_seconds_total"] / steps * 1e3, 3)
+    if not steps:
+        return out
+    out["steps"] = int(steps)
+    if "orbit_step_tokens_total" in d:
+        out["tokens_per_step"] = round(d["orbit_step_tokens_total"] / steps, 1)
+    if d.get("orbit_gpu_seconds_total"):
+        out["gpu_ms_per_step"] = round(d["orbit_gpu_seconds_total"] / steps * 1e3, 3)
+    if "orbit_prompt_steps_total" not in d:
+        return out  # a server from before these counters
+    prompt_steps = int(d["orbit_prompt_steps_total"])
+    decode_steps = int(d["orbit_decode_steps_total"])
+    out["prompt_steps"] = prompt_steps
+    out["decode_steps"] = decode_steps
+    gpu_s, gpu_prompt_s = d["orbit_gpu_seconds_total"], d["orbit_prompt_gpu_seconds_total"]
+    if prompt_steps:
+        out["tokens_per_prompt_step"] = round(d["orbit_prompt_step_tokens_total"] / prompt_steps, 1)
+        if gpu_s:
+            out["gpu_ms_per_prompt_step"] = round(gpu_prompt_s / prompt_steps * 1e3, 3)
+    if decode_steps:
+        tokens = d["orbit_step_tokens_total"] - d["orbit_prompt_step_tokens_total"]
+        out["tokens_per_decode_step"] = round(tokens / decode_steps, 1)
+        if gpu_s:
+            out["gpu_ms_per_decode_step"] = round((gpu_s - gpu_prompt_s) / decode_steps * 1e3, 3)
+    return out
+
+
+def server_ttft_ms(before: dict, after: dict) -> dict:
+    """The level's mean time to first token as the API servers saw it, from a request's arrival
+    there, and the core's queue and prefill parts of it (ms). Against the client's TTFT, what
+    is left was spent outside the server: in the client, or on the way."""
+    out = {}
+    for key, name in TTFT_PARTS.items():
+        sum_s, count = (
+            after.get(f"{name}_{p}", 0.0) - before.get(f"{name}_{p}", 0.0) for p in ("sum", "count")
+        )
+        if count:
+            out[key] = round(sum_s / count * 1e3, 2)
     return out
 
 
@@ -611,9 +661,17 @@ def measure_level(
 ) -> dict:
     cpu_before = process_tree(server_pid, skip_ranks=True) if server_pid else None
     counters_before = core_counters(url, api_key)
+    clients_before = pool.cpu_seconds()
     records = pool.run(jobs)
+    clients_after = pool.cpu_seconds()
+    counters_after = core_counters(url, api_key)
     level, window = summarize_level(sum(job.streams for job in jobs), records)
-    level.update(step_figures(counters_before, core_counters(url, api_key), level.get("wall_s")))
+    level.update(step_figures(counters_before, counters_after, level.get("wall_s")))
+    level["server_ttft_mean_ms"] = server_ttft_ms(counters_before, counters_after)
+    if level.get("wall_s"):
+        # the busiest client process's share of the wall: near 1, the client sets the pace
+        busiest = max(b - a for a, b in zip(clients_before, clients_after))
+        level["client_busy_frac"] = round(busiest / level["wall_s"], 3)
     if server_pid:
         cpu_after = process_tree(server_pid, skip_ranks=True)
         tokens = level.get("output_tokens", 0)

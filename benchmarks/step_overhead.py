@@ -233,6 +233,8 @@ async def in_process_levels(
     in this process (no HTTP, no tokenization or detokenization): at each concurrency C,
     C x requests_per_stream requests of prompt_tokens distinct prompt tokens, at most C at a
     time. Returns {C: output tokens/s} over the wall time of each level, prefill included."""
+    from benchmarks.serving_sweep import parse_counters, step_figures
+
     pkg = open_package(package)
     if pkg.tp_size != tp:
         raise SystemExit(f"the package is for TP {pkg.tp_size}, not --tp {tp}")
@@ -255,19 +257,14 @@ async def in_process_levels(
                 async with gate:
                     return len(await token_times(engine, ids, new_tokens))
 
-            before = engine.steps, engine.step_tokens, engine.gpu_seconds
+            before = parse_counters(engine.metrics_text())
             t0 = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(ids) for ids in requests)))
-            out[level] = round(tokens / (time.perf_counter() - t0), 2)
-            # the same step figures as the sweep's through HTTP (serving_sweep.step_figures)
-            steps = engine.steps - before[0]
-            per_step = (engine.step_tokens - before[1]) / max(steps, 1)
-            gpu_ms = (engine.gpu_seconds - before[2]) / max(steps, 1) * 1e3
-            print(
-                f"in-process concurrency {level}: {out[level]} tokens/s ({steps} steps, "
-                f"{per_step:.1f} tokens and {gpu_ms:.3f} ms of GPU a step)",
-                flush=True,
-            )
+            wall_s = time.perf_counter() - t0
+            out[level] = round(tokens / wall_s, 2)
+            # the step figures the sweep gives each level through HTTP, from the same counters
+            steps = step_figures(before, parse_counters(engine.metrics_text()), wall_s)
+            print(f"in-process concurrency {level}: {out[level]} tokens/s, {steps}", flush=True)
     return out
 
 

@@ -174,6 +174,7 @@ class Step:
     released: list[int]  # seq ids whose rank state is dropped before the step
     chunks: list[SeqChunk]
     num_tokens: int = 0  # the tokens its chunks compute, together
+    prompt_tokens: int = 0  # of those, the prompts' chunks' (the rest are decode rows)
 
     @property
     def sampling_chunks(self) -> list[SeqChunk]:
@@ -294,6 +295,7 @@ class Scheduler:
             chunks.append(chunk)
             budget -= chunk.num_tokens
             extra += chunk.num_tokens - 1
+        decode_budget = budget
         for seq in self._prefill_candidates():
             if budget <= 0 or len(chunks) + extra >= self.config.max_batch:
                 break
@@ -321,7 +323,9 @@ class Scheduler:
         if not chunks and not released:
             return None
         self._next_step_id += 1
-        return Step(step_id, released, chunks, self.config.max_step_tokens - budget)
+        return Step(
+            step_id, released, chunks, self.config.max_step_tokens - budget, decode_budget - budget
+        )
 
     def _take_cached(self, seq: Sequence, step_id: int) -> bool:
         """Put the cached pages seq starts with in its page table, counted as computed; False

@@ -46,7 +46,22 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
         computed = level["steps"] * level["tokens_per_step"]
         n = level["requests"]
         assert n * (NEW_TOKENS - 1) - 1 <= computed <= n * (16 + NEW_TOKENS) + 1
+        # the steps that computed prompts, those of decode rows alone (a row per stream at
+        # most), and the rest, which only released sequences
+        n_prompt, n_decode = level["prompt_steps"], level["decode_steps"]
+        assert 1 <= n_prompt <= 2 * n  # a 16-token prompt is one chunk, or two where cut short
+        assert n_prompt + n_decode <= level["steps"]
+        assert 1 <= level["tokens_per_decode_step"] <= level["concurrency"]
+        split = (
+            n_prompt * level["tokens_per_prompt_step"] + n_decode * level["tokens_per_decode_step"]
+        )
+        assert split == pytest.approx(computed, abs=0.05 * level["steps"])
         assert "gpu_ms_per_step" not in level  # rank 0's GPU time: none on the CPU
+        # the API servers' view of TTFT: the core's queue and prefill are parts of it, and it
+        # is part of the client's (measured from before the client sent the request)
+        server = level["server_ttft_mean_ms"]
+        assert 0 < server["queue"] + server["prefill"] <= server["ttft"] <= level["ttft_mean_ms"]
+        assert 0 < level["client_busy_frac"] <= 1.05
         cpu = level["frontend_cpu"]
         assert cpu["us_per_token"] > 0
         roles = {p["role"] for p in cpu["processes"]}

@@ -157,6 +157,11 @@ class Engine:
         self.steps = 0
         self.step_tokens = 0  # tokens the answered steps computed (prompt chunks and decode rows)
         self.gpu_seconds = 0.0  # rank 0's GPU time in them (StepResult.gpu_s; 0 on the CPU)
+        # The same three for the steps that computed part of a prompt (beside any decode rows),
+        # and the steps of decode rows alone: whether a workload's steps are fewer-rowed or
+        # more mixed. (The rest only release sequences' state and compute nothing.)
+        self.prompt_steps = self.prompt_step_tokens = self.decode_steps = 0
+        self.prompt_gpu_seconds = 0.0
         self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
         # Time rank 0 sat with nothing queued while this engine was preparing the next step.
         self.rank_wait_seconds = 0.0
@@ -331,6 +336,18 @@ class Engine:
             "# HELP orbit_gpu_seconds_total Rank 0's GPU time in the steps (0 on the CPU).",
             "# TYPE orbit_gpu_seconds_total counter",
             f"orbit_gpu_seconds_total {self.gpu_seconds:.6f}",
+            "# HELP orbit_prompt_steps_total Steps that computed part of a prompt.",
+            "# TYPE orbit_prompt_steps_total counter",
+            f"orbit_prompt_steps_total {self.prompt_steps}",
+            "# HELP orbit_prompt_step_tokens_total Tokens those steps computed (with decode rows).",
+            "# TYPE orbit_prompt_step_tokens_total counter",
+            f"orbit_prompt_step_tokens_total {self.prompt_step_tokens}",
+            "# HELP orbit_prompt_gpu_seconds_total Rank 0's GPU time in those steps.",
+            "# TYPE orbit_prompt_gpu_seconds_total counter",
+            f"orbit_prompt_gpu_seconds_total {self.prompt_gpu_seconds:.6f}",
+            "# HELP orbit_decode_steps_total Steps of decode rows alone.",
+            "# TYPE orbit_decode_steps_total counter",
+            f"orbit_decode_steps_total {self.decode_steps}",
             "# TYPE orbit_step_seconds_total counter",
             f"orbit_step_seconds_total {self.step_seconds:.6f}",
             "# HELP orbit_rank_wait_seconds_total Rank 0 idle, waiting for a step being planned.",
@@ -540,6 +557,12 @@ class Engine:
         self.steps += 1
         self.step_tokens += step.num_tokens
         self.gpu_seconds += result.gpu_s
+        if step.prompt_tokens:
+            self.prompt_steps += 1
+            self.prompt_step_tokens += step.num_tokens
+            self.prompt_gpu_seconds += result.gpu_s
+        elif step.num_tokens:
+            self.decode_steps += 1
         self.recent_timings.append((result.execute_s, result.gpu_s))
         return step, result
 
