@@ -15,7 +15,8 @@
 # exact graphs (issue 19), the 8B's decode profile (issue 18), the kernels of the 8B's batch-64
 # step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
 # httpab (carry .abold too: `git archive REV` of the code to compare), httpfp8, http16 (issues 16
-# and 20 through HTTP: docs/performance.md, 2026-12-06), chain (carry .spy, the py-spy wheel:
+# and 20 through HTTP: docs/performance.md, 2026-12-06), buckets dense|pow2 (issue 16: the
+# prompt steps' graph padding, default token buckets against denser ones), chain (carry .spy, the py-spy wheel:
 # where the host's time between two 256-row steps goes; NOTES-gpu.md).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
 # `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
@@ -53,7 +54,7 @@ sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -158,6 +159,31 @@ http16)  # issue 16 on this card: the 8B with FP8 weights and FP8 KV pages (the 
     PART=http LEVELS=64,256 SWEEP_TIMEOUT=200 OUT=$OUT/bf16 bash benchmarks/gpu_serving.sh 2>&1 \
       | sweep_lines
   fi
+  ;;
+buckets)  # issue 16: what the prompt steps' graph padding costs. The 8B with FP8 weights and
+  # KV pages prepared with the default token buckets (pow2: powers of two) or denser ones
+  # (dense: `orbit prepare --prefill-buckets`, four a doubling from 512), through HTTP and in
+  # process at 256 streams; one kind a call (`buckets dense`, then `buckets pow2` on the same
+  # machine). Compare prompt_step_padding_frac, gpu_ms_per_prompt_step and the tokens/s.
+  kind=${2:?buckets dense or buckets pow2}
+  pkill -f " -m ranks " || true
+  pkg=/tmp/orbit-8b-256-fp8kv; extra=()
+  if [ "$kind" = dense ]; then
+    pkg=$pkg-dense
+    extra=(--prefill-buckets 16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792)
+  fi
+  date -u +"%T $kind package (${SECONDS} s)"
+  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --quantize fp8 --kv-dtype fp8 "${extra[@]}" \
+    --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
+    2>&1 | sweep_lines
+  python3 -c "
+import json; l = json.load(open('$OUT/$kind/sweep.json'))['levels'][-1]
+print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})"
+  pkill -f " -m ranks " || true
+  PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=150 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
+    2>&1 | grep -E "in-process|rror"
   ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
   # pages; on an H100 the GPU step was the 12.6 ms interval, the chain 1.6 ms, 2026-12-06 15:48):

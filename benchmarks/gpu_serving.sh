@@ -5,6 +5,7 @@
 #   PART=engine  the random 8B-architecture package (built if missing, --max-batch 256), then the
 #                ranks-only decode figures (benchmarks.step_overhead) and the same requests
 #                submitted in-process to the engine core (step_overhead.in_process_levels)
+#   PART=core    the in-process part of engine alone
 #   PART=http    orbit serve --device cuda with its API servers, driven through HTTP by the
 #                official openai client (benchmarks.serving_sweep): 1, 8, 64, 256 streams of
 #                512-token prompts and 256 new tokens, the GPU's busy share and the frontend's
@@ -31,6 +32,12 @@ if [ ! -f "$pkg/manifest.pb" ]; then
     --tokenizer "${ORBIT_TEST_TOKENIZER:?the package needs a saved tokenizer}" 2>&1 | tail -3
 fi
 engine_part() {
+  core_part
+  timeout "${STEP_TIMEOUT:-240}" python3 -m benchmarks.step_overhead --package "$pkg" \
+    --device cuda --prompt-tokens 512 --new-tokens 256 --batch "$levels" --out "$out" \
+    2>&1 | tee "$out/step.log"
+}
+core_part() {
   date -u +"%T engine" >&2
   timeout "${CORE_TIMEOUT:-240}" python3 -c "
 import asyncio, json, sys
@@ -39,9 +46,6 @@ levels = [int(c) for c in '$levels'.split(',')]
 r = asyncio.run(in_process_levels('$pkg', 'cuda', 1, 512, 256, levels))
 json.dump(r, open('$out/in_process.json', 'w'))
 " 2>&1 | tee "$out/in_process.log"
-  timeout "${STEP_TIMEOUT:-240}" python3 -m benchmarks.step_overhead --package "$pkg" \
-    --device cuda --prompt-tokens 512 --new-tokens 256 --batch "$levels" --out "$out" \
-    2>&1 | tee "$out/step.log"
 }
 http_part() {
   date -u +"%T http" >&2
@@ -63,6 +67,7 @@ prefix_part() {
 }
 case "${PART:-all}" in
 engine) engine_part ;;
+core) core_part ;;
 http) http_part ;;
 structured) structured_part ;;
 prefix) prefix_part ;;

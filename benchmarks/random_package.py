@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", type=int, default=0, help="query heads; 0: the 8B's")
     p.add_argument("--quantize", default="", choices=["", "fp8"], help="orbit prepare --quantize")
     p.add_argument("--kv-dtype", default="", choices=["", "fp8"], help="orbit prepare --kv-dtype")
+    p.add_argument("--prefill-buckets", default="", help="orbit prepare --prefill-buckets")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -61,6 +62,7 @@ def main(argv=None) -> int:
     opts = PrepareOptions(
         tp=args.tp, dtype="bfloat16", max_seq_len=4096, max_batch=args.max_batch,
         quantize=args.quantize, kv_dtype=args.kv_dtype,
+        prefill_buckets=tuple(int(b) for b in args.prefill_buckets.split(",") if b),
     )  # fmt: skip
     prepare_package(ckpt, args.out, opts, progress=False)
     shutil.rmtree(ckpt)

@@ -584,6 +584,7 @@ COUNTERS = (
     "orbit_prompt_step_tokens_total",
     "orbit_prompt_gpu_seconds_total",
     "orbit_decode_steps_total",
+    "orbit_prompt_step_bucket_tokens_total",
     *(f"{name}_{part}" for name in TTFT_PARTS.values() for part in ("sum", "count")),
 )
 
@@ -634,6 +635,10 @@ def step_figures(before: dict, after: dict, wall_s: float) -> dict:
         out["tokens_per_prompt_step"] = round(d["orbit_prompt_step_tokens_total"] / prompt_steps, 1)
         if gpu_s:
             out["gpu_ms_per_prompt_step"] = round(gpu_prompt_s / prompt_steps * 1e3, 3)
+        if bucket_tokens := d.get("orbit_prompt_step_bucket_tokens_total"):
+            # the share of the graphs' rows that were padding (what a GPU computes for nothing)
+            padding = 1 - d["orbit_prompt_step_tokens_total"] / bucket_tokens
+            out["prompt_step_padding_frac"] = round(padding, 4)
     if decode_steps:
         tokens = d["orbit_step_tokens_total"] - d["orbit_prompt_step_tokens_total"]
         out["tokens_per_decode_step"] = round(tokens / decode_steps, 1)

@@ -71,6 +71,7 @@ def engine_config(pkg: Package, overlap: bool) -> EngineConfig:
         max_batch=caps.max_batch,
         page_size=caps.kv_page_size,
         max_step_tokens=caps.max_step_tokens,
+        token_buckets=caps.prefill_chunk_sizes,
         eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
         overlap=overlap,
     )

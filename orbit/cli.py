@@ -67,6 +67,13 @@ def prepare(
     max_step_tokens: Annotated[
         int, typer.Option(help="Per-step token budget (prefill chunk).")
     ] = 2048,
+    prefill_buckets: Annotated[
+        str,
+        typer.Option(
+            help="Token buckets of the prompt-step CUDA graphs, comma-separated and ascending "
+            "(a step pads to the smallest that holds it); default: powers of two from 16."
+        ),
+    ] = "",
     force: Annotated[bool, typer.Option(help="Replace an existing package at --out.")] = False,
     sign: Annotated[
         Path | None, typer.Option(help="Ed25519 private key (orbit keygen) to sign the manifest.")
@@ -86,6 +93,7 @@ def prepare(
         fail(f"--quantize {quantize!r} is not supported; pass --quantize fp8 or leave it out.")
     if kv_dtype not in (None, "fp8"):
         fail(f"--kv-dtype {kv_dtype!r} is not supported; pass --kv-dtype fp8 or leave it out.")
+    buckets = _int_list("--prefill-buckets", prefill_buckets)
     from prepare.build import PrepareOptions, prepare_package
     from prepare.source import SourceError
     from runtime.layout import ShardingError
@@ -98,6 +106,7 @@ def prepare(
         max_batch=max_batch,
         kv_page_size=page_size,
         max_step_tokens=max_step_tokens,
+        prefill_buckets=buckets,
         force=force,
         sign_key=sign,
         quantize=quantize or "",
@@ -114,6 +123,14 @@ def prepare(
 
 def main() -> None:
     app()
+
+
+def _int_list(flag: str, text: str) -> tuple[int, ...]:
+    """A flag's comma-separated whole numbers; () for an empty one."""
+    try:
+        return tuple(int(x) for x in text.split(",")) if text.strip() else ()
+    except ValueError:
+        fail(f"{flag} {text!r} must be whole numbers separated by commas, such as 16,32,64.")
 
 
 def _speculation(

@@ -100,6 +100,7 @@ async def serve(opts: ServeOptions, on_ready=None) -> int:
             max_batch=caps.max_batch,
             page_size=caps.kv_page_size,
             max_step_tokens=caps.max_step_tokens,
+            token_buckets=caps.prefill_chunk_sizes,
             eos_token_ids=tuple(pkg.manifest.tokenizer.eos_token_ids),
             max_queue=opts.max_queue,
             stream_interval=opts.stream_interval,

@@ -32,7 +32,7 @@ from runtime.package import (
 )
 from runtime.quant import KV_FP8, WeightQuant
 from runtime.signing import SIGNATURE_NAME, load_private_key, sign_manifest
-from runtime.spec import Capacities, default_decode_buckets, default_prefill_chunks
+from runtime.spec import Capacities, chosen_prefill_chunks, default_decode_buckets
 from runtime.version import __version__
 
 
@@ -97,12 +97,16 @@ def _manifest_head(
         )
     if opts.max_batch < 1 or opts.kv_page_size < 1 or opts.max_step_tokens < 1:
         raise SourceError("--max-batch, --page-size and --max-step-tokens must be at least 1.")
+    try:
+        prefill_chunks = chosen_prefill_chunks(opts.max_step_tokens, opts.prefill_buckets)
+    except ValueError as e:
+        raise SourceError(str(e)) from None
     caps = Capacities(
         max_seq_len=max_seq_len,
         max_batch=opts.max_batch,
         kv_page_size=opts.kv_page_size,
         decode_batch_buckets=default_decode_buckets(opts.max_batch),
-        prefill_chunk_sizes=default_prefill_chunks(opts.max_step_tokens),
+        prefill_chunk_sizes=prefill_chunks,
     )
     manifest = package_pb2.Manifest(
         format_version=format_version_for(quant),

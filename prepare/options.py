@@ -15,6 +15,9 @@ class PrepareOptions:
     max_batch: int = 64
     kv_page_size: int = 16
     max_step_tokens: int = 2048
+    # The token buckets of the prefill and mixed-step graphs (capacities.prefill_chunk_sizes),
+    # ascending; (): powers of two from 16 (runtime/spec.py default_prefill_chunks).
+    prefill_buckets: tuple[int, ...] = ()
     force: bool = False
     sign_key: Path | None = None  # Ed25519 private key: writes manifest.sig
     # "fp8": FP8 weights with per-row scales for the linear layers of an unquantized checkpoint

@@ -86,7 +86,7 @@ from runtime.model import Transformer, build_model
 from runtime.package import Package
 from runtime.quant import KVQuant
 from runtime.runner import SeqInput
-from runtime.spec import Capacities
+from runtime.spec import Capacities, token_bucket
 
 log = logging.getLogger(__name__)
 
@@ -538,7 +538,7 @@ class CudaGraphRunner:
     def _prefill_step(self, seqs: list[SeqInput]) -> torch.Tensor:
         """A prefill or mixed step, replayed from the smallest token bucket that holds it."""
         num_tokens = self._check_step(seqs)
-        tokens = next(b for b in self.prefill_buckets if b >= num_tokens)
+        tokens = token_bucket(self.prefill_buckets, num_tokens)
         attns, graphs = self._prefill_attn, self._prefill_graphs
         if tokens in self._mixed_graphs and self._mixed(seqs):
             attns, graphs = self._mixed_attn, self._mixed_graphs

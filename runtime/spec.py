@@ -138,6 +138,32 @@ def default_decode_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sizes) + (max_batch,)
 
 
+def token_bucket(buckets: tuple[int, ...], num_tokens: int) -> int:
+    """The prefill token bucket (capacities.prefill_chunk_sizes) a step of num_tokens replays
+    on a GPU: the smallest that holds it. Its graph computes every row of the bucket, the
+    padding too, in each product."""
+    return min(b for b in buckets if b >= num_tokens)
+
+
+def chosen_prefill_chunks(max_step_tokens: int, chosen: tuple[int, ...]) -> tuple[int, ...]:
+    """The token buckets `orbit prepare --prefill-buckets` asked for, ending exactly at the
+    per-step budget (added when not given); () gives default_prefill_chunks. Raises ValueError
+    naming what is wrong."""
+    if not chosen:
+        return default_prefill_chunks(max_step_tokens)
+    if any(b < 1 for b in chosen) or list(chosen) != sorted(set(chosen)):
+        raise ValueError(
+            f"--prefill-buckets {','.join(map(str, chosen))} must be positive and ascending, "
+            "each once."
+        )
+    if chosen[-1] > max_step_tokens:
+        raise ValueError(
+            f"--prefill-buckets goes up to {chosen[-1]}, past --max-step-tokens "
+            f"{max_step_tokens}; drop the larger buckets or raise --max-step-tokens."
+        )
+    return tuple(chosen) if chosen[-1] == max_step_tokens else (*chosen, max_step_tokens)
+
+
 def default_prefill_chunks(max_step_tokens: int) -> tuple[int, ...]:
     """Powers of two from 16, ending exactly at the per-step token budget."""
     sizes = []

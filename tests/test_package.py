@@ -69,6 +69,40 @@ def test_cli_reports_non_dividing_tp(tiny_checkpoints, tmp_path):
     )
 
 
+def test_prefill_buckets_are_the_package_token_buckets(tiny_checkpoints, tmp_path):
+    """`orbit prepare --prefill-buckets` sets the prompt-step graphs' token buckets, ending at
+    the step budget; a list that is not ascending, passes the budget or is not numbers is
+    refused with the fix, and nothing is written."""
+
+    def prepare(out: str, *args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "orbit", "prepare", str(tiny_checkpoints["llama"])]
+        cmd += ["--out", str(tmp_path / out), "--max-step-tokens", "96", *args]
+        return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    good = prepare("dense", "--prefill-buckets", "16,32,48,64,80")
+    assert good.returncode == 0, good.stderr
+    assert open_package(tmp_path / "dense").capacities.prefill_chunk_sizes == (
+        16,
+        32,
+        48,
+        64,
+        80,
+        96,
+    )
+    default = prepare("default")
+    assert default.returncode == 0, default.stderr
+    assert open_package(tmp_path / "default").capacities.prefill_chunk_sizes == (16, 32, 64, 96)
+    for out, buckets, said in (
+        ("down", "32,16", "--prefill-buckets 32,16 must be positive and ascending, each once."),
+        ("past", "16,128", "--prefill-buckets goes up to 128, past --max-step-tokens 96"),
+        ("words", "16,a", "--prefill-buckets '16,a' must be whole numbers separated by commas"),
+    ):
+        bad = prepare(out, "--prefill-buckets", buckets)
+        assert bad.returncode == 1
+        assert said in " ".join(bad.stderr.split())
+        assert not (tmp_path / out).exists()
+
+
 def test_missing_shard(pkg):
     shard = pkg / open_package(pkg).manifest.shards[1].file.path
     shard.unlink()

@@ -56,6 +56,9 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
             n_prompt * level["tokens_per_prompt_step"] + n_decode * level["tokens_per_decode_step"]
         )
         assert split == pytest.approx(computed, abs=0.05 * level["steps"])
+        # the share of the prompt steps' graph buckets that a GPU would pad (16, 32 or 64
+        # tokens here; tests/test_step_counters.py checks the buckets step by step)
+        assert 0 <= level["prompt_step_padding_frac"] < 1
         assert "gpu_ms_per_step" not in level  # rank 0's GPU time: none on the CPU
         # the API servers' view of TTFT: the core's queue and prefill are parts of it, and it
         # is part of the client's (measured from before the client sent the request)

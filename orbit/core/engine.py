@@ -35,6 +35,7 @@ from orbit.core.rank_link import PackageMismatch, RankFailure, RankLink
 from proto import core_pb2, wire_pb2
 from proto.outputs import seq_outputs
 from runtime.scheduler import CapacityError, Scheduler, SchedulerConfig, Sequence, Status, Step
+from runtime.spec import token_bucket
 from runtime.speculation import SpeculationConfig
 
 log = logging.getLogger("orbit.core.engine")
@@ -98,6 +99,9 @@ class EngineConfig:
     # last and an error at once): above 1, each API server handles and writes a stream once
     # per that many tokens instead of every step, for less CPU per token at many streams.
     stream_interval: int = 1
+    # The package's prefill token buckets (capacities.prefill_chunk_sizes), for the count of
+    # the tokens a GPU computes in the steps with prompt chunks, padding included; (): none.
+    token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
@@ -161,6 +165,7 @@ class Engine:
         # and the steps of decode rows alone: whether a workload's steps are fewer-rowed or
         # more mixed. (The rest only release sequences' state and compute nothing.)
         self.prompt_steps = self.prompt_step_tokens = self.decode_steps = 0
+        self.prompt_bucket_tokens = 0  # the token buckets those steps replay on a GPU
         self.prompt_gpu_seconds = 0.0
         self.step_seconds = 0.0  # wall time with a step in flight, each second counted once
         # Time rank 0 sat with nothing queued while this engine was preparing the next step.
@@ -345,6 +350,9 @@ class Engine:
             "# HELP orbit_prompt_gpu_seconds_total Rank 0's GPU time in those steps.",
             "# TYPE orbit_prompt_gpu_seconds_total counter",
             f"orbit_prompt_gpu_seconds_total {self.prompt_gpu_seconds:.6f}",
+            "# HELP orbit_prompt_step_bucket_tokens_total Their graphs' token buckets (padded).",
+            "# TYPE orbit_prompt_step_bucket_tokens_total counter",
+            f"orbit_prompt_step_bucket_tokens_total {self.prompt_bucket_tokens}",
             "# HELP orbit_decode_steps_total Steps of decode rows alone.",
             "# TYPE orbit_decode_steps_total counter",
             f"orbit_decode_steps_total {self.decode_steps}",
@@ -561,6 +569,10 @@ class Engine:
             self.prompt_steps += 1
             self.prompt_step_tokens += step.num_tokens
             self.prompt_gpu_seconds += result.gpu_s
+            if self.config.token_buckets:
+                self.prompt_bucket_tokens += token_bucket(
+                    self.config.token_buckets, step.num_tokens
+                )
         elif step.num_tokens:
             self.decode_steps += 1
         self.recent_timings.append((result.execute_s, result.gpu_s))
