@@ -16,8 +16,8 @@
 # step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
 # httpab (carry .abold too: `git archive REV` of the code to compare), httpfp8, http16 (issues 16
 # and 20 through HTTP: docs/performance.md, 2026-12-06), buckets dense|pow2 (issue 16: the
-# prompt steps' graph padding, default token buckets against denser ones), chain (carry .spy, the py-spy wheel:
-# where the host's time between two 256-row steps goes; NOTES-gpu.md).
+# prompt steps' graph padding, default token buckets against denser ones), chain (carry .spy,
+# the py-spy wheel: where the host's time between two 256-row steps goes; NOTES-gpu.md).
 # serve: the exact graphs bit for bit (SmolLM2's architecture, the head_dim-128 Llama) and
 # `orbit serve --exact-verification` against the plain server, tracebacks in $OUT/tests.txt;
 # part: the 8B's verification timed with the exact graphs; copy: the copy-heavy prompts with
