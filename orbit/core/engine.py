@@ -555,7 +555,7 @@ class Engine:
             self.rank_wait_seconds += result.idle_before_s
         elif step.step_id in self._sent_on_result:
             self._sent_on_result.discard(step.step_id)
-            if not _prefills(step):
+            if not step.prompt_tokens:  # a prompt chunk's time is no decode step's
                 self._note_round_trip(result)
         now = time.perf_counter()
         # A step's time starts when it was sent or when the one before it answered, whichever
@@ -677,11 +677,6 @@ def seed_of(seed: int | None) -> int:
     """The wire seed of a request's: any int64 maps to a distinct uint64 (two's complement),
     so -1 and 2**63 - 1 differ; None draws one."""
     return random_seed() if seed is None else seed & _UINT64_MASK
-
-
-def _prefills(step: Step) -> bool:
-    """Whether a step computes part of a prompt (its time is no decode step's)."""
-    return any(c.num_tokens > 1 and not c.verifies for c in step.chunks)
 
 
 def _verification_samples(samples) -> tuple[dict, dict]:
