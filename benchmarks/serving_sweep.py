@@ -189,10 +189,15 @@ async def run_job(job: ClientJob) -> list[RequestRecord]:
 
 
 def client_worker(conn) -> None:
-    """A client process: runs each job it is sent and sends back its records; None ends it."""
+    """A client process: runs each job it is sent and sends back its records and the share of
+    the job's time this process spent on a CPU; None ends it."""
     while (job := conn.recv()) is not None:
+        # from the job's start (run_job waits for start_at_s, all processes together)
+        cpu_s, wall_s = time.process_time(), max(time.perf_counter(), job.start_at_s)
+        records = asyncio.run(run_job(job))
+        busy = (time.process_time() - cpu_s) / (time.perf_counter() - wall_s)
         # Plain dicts: a class of a module run as __main__ would not unpickle in the parent.
-        conn.send([vars(r) for r in asyncio.run(run_job(job))])
+        conn.send(([vars(r) for r in records], busy))
 
 
 class ClientPool:
@@ -201,6 +206,7 @@ class ClientPool:
     def __init__(self, num_procs: int):
         ctx = multiprocessing.get_context("spawn")
         self.conns, self.procs = [], []
+        self.busy: list[float] = []
         for _ in range(num_procs):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=client_worker, args=(child,), daemon=True)
@@ -209,13 +215,12 @@ class ClientPool:
             self.procs.append(proc)
 
     def run(self, jobs: list[ClientJob]) -> list[RequestRecord]:
+        """The jobs' records; self.busy then holds each process's CPU share of its job."""
         for conn, job in zip(self.conns, jobs):
             conn.send(job)
-        return [RequestRecord(**r) for conn in self.conns[: len(jobs)] for r in conn.recv()]
-
-    def cpu_seconds(self) -> list[float]:
-        """Each client process's CPU time so far (0 for one that is gone)."""
-        return [(proc_stat(str(proc.pid)) or (0, 0.0))[1] for proc in self.procs]
+        replies = [conn.recv() for conn in self.conns[: len(jobs)]]
+        self.busy = [busy for _, busy in replies]
+        return [RequestRecord(**r) for records, _ in replies for r in records]
 
     def __enter__(self) -> Self:
         return self
@@ -666,17 +671,13 @@ def measure_level(
 ) -> dict:
     cpu_before = process_tree(server_pid, skip_ranks=True) if server_pid else None
     counters_before = core_counters(url, api_key)
-    clients_before = pool.cpu_seconds()
     records = pool.run(jobs)
-    clients_after = pool.cpu_seconds()
     counters_after = core_counters(url, api_key)
     level, window = summarize_level(sum(job.streams for job in jobs), records)
     level.update(step_figures(counters_before, counters_after, level.get("wall_s")))
     level["server_ttft_mean_ms"] = server_ttft_ms(counters_before, counters_after)
-    if level.get("wall_s"):
-        # the busiest client process's share of the wall: near 1, the client sets the pace
-        busiest = max(b - a for a, b in zip(clients_before, clients_after))
-        level["client_busy_frac"] = round(busiest / level["wall_s"], 3)
+    # the busiest client process's CPU share of its job: near 1, the client sets the pace
+    level["client_busy_frac"] = round(max(pool.busy), 3)
     if server_pid:
         cpu_after = process_tree(server_pid, skip_ranks=True)
         tokens = level.get("output_tokens", 0)
