@@ -161,7 +161,9 @@ async def one_request(client, job: ClientJob, prompt: list[int] | str) -> Reques
     return record
 
 
-async def run_job(job: ClientJob) -> list[RequestRecord]:
+async def run_job(job: ClientJob) -> tuple[list[RequestRecord], float]:
+    """The job's records, and the share of its time (from start_at_s, when every client
+    process starts, to its last answer) this process spent on a CPU."""
     from openai import AsyncOpenAI
 
     pool_size = job.streams + 8
@@ -181,9 +183,11 @@ async def run_job(job: ClientJob) -> list[RequestRecord]:
             )
 
     await asyncio.sleep(max(0.0, job.start_at_s - time.perf_counter()))
+    cpu_s, wall_s = time.process_time(), time.perf_counter()
     try:
         salts = range(job.first_salt, job.first_salt + job.num_requests)
-        return list(await asyncio.gather(*(bounded(s) for s in salts)))
+        records = list(await asyncio.gather(*(bounded(s) for s in salts)))
+        return records, (time.process_time() - cpu_s) / (time.perf_counter() - wall_s)
     finally:
         await client.close()
 
@@ -192,10 +196,7 @@ def client_worker(conn) -> None:
     """A client process: runs each job it is sent and sends back its records and the share of
     the job's time this process spent on a CPU; None ends it."""
     while (job := conn.recv()) is not None:
-        # from the job's start (run_job waits for start_at_s, all processes together)
-        cpu_s, wall_s = time.process_time(), max(time.perf_counter(), job.start_at_s)
-        records = asyncio.run(run_job(job))
-        busy = (time.process_time() - cpu_s) / (time.perf_counter() - wall_s)
+        records, busy = asyncio.run(run_job(job))
         # Plain dicts: a class of a module run as __main__ would not unpickle in the parent.
         conn.send(([vars(r) for r in records], busy))
 
