@@ -54,7 +54,7 @@ sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, rest, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -185,6 +185,23 @@ print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('o
   PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=150 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | grep -E "in-process|rror"
   ;;
+rest)  # after http16 on the same machine: issue 20's FP8 against bf16 (batch 1 and 64,
+  # TTFT(2,048)), issue 19's batch 64 with speculation on against off (the bf16 package http16
+  # built), then the dense token buckets through HTTP at 256 streams against http16's fp8kv
+  # level while the call has time
+  pkill -f " -m ranks " || true
+  date -u +"%T fp8 (${SECONDS} s)"
+  timeout 220 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 2>&1 \
+    | grep -E "speedup|tokens_per_s|ttft|rror" | head -12
+  pkill -f " -m ranks " || true
+  date -u +"%T speculation batch 64 (${SECONDS} s)"
+  [ -f /tmp/orbit-8b-256/manifest.pb ] && timeout 200 python3 -m benchmarks.speculation batch \
+    --package /tmp/orbit-8b-256 --device cuda --users 64 --out "$OUT/spec-batch64" 2>&1 | tail -3
+  pkill -f " -m ranks " || true
+  if [ "$SECONDS" -lt 300 ]; then
+    bash "$0" buckets dense
+  fi
+  ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
   # pages; on an H100 the GPU step was the 12.6 ms interval, the chain 1.6 ms, 2026-12-06 15:48):
   # py-spy (carry .spy, its wheel) on rank 0, busy and idle, and on the engine's process
@@ -249,7 +266,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, rest, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac
