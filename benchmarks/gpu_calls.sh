@@ -185,22 +185,23 @@ print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('o
   PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=150 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | grep -E "in-process|rror"
   ;;
-rest)  # after http16 on the same machine: issue 20's FP8 against bf16 (batch 1 and 64,
-  # TTFT(2,048)), issue 19's batch 64 with speculation on against off (the bf16 package http16
-  # built), then the dense token buckets through HTTP at 256 streams against http16's fp8kv
-  # level while the call has time
+rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, built here
+  # unless http16 left it), issue 20's FP8 against bf16 (batch 1 and 64, TTFT(2,048)), then
+  # the dense token buckets through HTTP at 256 streams (against http16's fp8kv level) while
+  # the call has time
+  pkill -f " -m ranks " || true
+  pkg=/tmp/orbit-8b-256
+  date -u +"%T speculation batch 64 (${SECONDS} s)"
+  [ -f $pkg/manifest.pb ] || timeout 200 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  timeout 200 python3 -m benchmarks.speculation batch --package $pkg --device cuda --users 64 \
+    --out "$OUT/spec-batch64" 2>&1 | tail -3
   pkill -f " -m ranks " || true
   date -u +"%T fp8 (${SECONDS} s)"
-  timeout 220 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 2>&1 \
-    | grep -E "speedup|tokens_per_s|ttft|rror" | head -12
+  timeout 200 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 2>&1 \
+    | tail -25
   pkill -f " -m ranks " || true
-  date -u +"%T speculation batch 64 (${SECONDS} s)"
-  [ -f /tmp/orbit-8b-256/manifest.pb ] && timeout 200 python3 -m benchmarks.speculation batch \
-    --package /tmp/orbit-8b-256 --device cuda --users 64 --out "$OUT/spec-batch64" 2>&1 | tail -3
-  pkill -f " -m ranks " || true
-  if [ "$SECONDS" -lt 300 ]; then
-    bash "$0" buckets dense
-  fi
+  [ "$SECONDS" -lt 300 ] && bash "$0" buckets dense
   ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
   # pages; on an H100 the GPU step was the 12.6 ms interval, the chain 1.6 ms, 2026-12-06 15:48):
