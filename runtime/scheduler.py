@@ -9,7 +9,12 @@ How a step is built:
 2. The remaining token budget (the package's largest prefill chunk) goes to prompts: first
    those already part-way through their prefill, then waiting ones in arrival order, each in
    a chunk no longer than what is left. A prompt is admitted only when its chunk's pages are
-   free, so prefill never preempts decodes.
+   free, so prefill never preempts decodes. With the package's token buckets
+   (SchedulerConfig.token_buckets), a step whose prompts would fill less than half of the way
+   from one bucket to the next ends its prompt chunks on the lower bucket instead: on a GPU a
+   step replays the smallest bucket that holds it and computes every row of it, so the cut
+   tokens, computed in the next step, cost less than the padding they spare
+   (`Scheduler._prompt_room`).
 3. A sequence samples when its chunk reaches the end of its known tokens.
 
 Planning ahead: the engine sends the next step before the previous one's samples are applied,
@@ -55,6 +60,7 @@ from enum import Enum
 
 from runtime.prefix_cache import PrefixCache
 from runtime.sampling import SamplingParams
+from runtime.spec import token_bucket
 from runtime.speculation import GUESS_MIN_RATE, SpecState, SpeculationConfig, num_kept
 
 # The draft proposer's gate: when the draft's proposals are kept less often than this (an
@@ -64,6 +70,11 @@ from runtime.speculation import GUESS_MIN_RATE, SpecState, SpeculationConfig, nu
 DRAFT_MIN_RATE = 0.3
 DRAFT_RATE_ROWS = 16  # rows the average spans (weight 1/16), and rows before it is trusted
 DRAFT_PAUSE_STEPS = (64, 4096)  # the gate's first and longest pause, doubling in between
+# A step's prompt chunks are cut to end on a token bucket only where that bucket is at least
+# this many tokens: below it a step costs about its weights' read whatever its rows (on Hopper
+# the 8B's products turn compute-bound at about 250-300 rows), so padding there is nearly free
+# and a cut would only delay the prompt.
+TRIM_MIN_TOKENS = 512
 
 
 class Status(Enum):
@@ -125,6 +136,9 @@ class SchedulerConfig:
     # step of decode and verification rows stays within them, where batching and
     # speculation change no row's rounding (a step with a prompt chunk is not one of them).
     exact_rows: int = 0
+    # The package's prefill token buckets (capacities.prefill_chunk_sizes), which steps with
+    # prompt chunks replay on a GPU; (): steps are not cut to them.
+    token_buckets: tuple[int, ...] = ()
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -296,15 +310,17 @@ class Scheduler:
             budget -= chunk.num_tokens
             extra += chunk.num_tokens - 1
         decode_budget = budget
-        for seq in self._prefill_candidates():
-            if budget <= 0 or len(chunks) + extra >= self.config.max_batch:
+        candidates = self._prefill_candidates()
+        room = self._prompt_room(candidates, budget, len(chunks) + extra)
+        for seq in candidates:
+            if room <= 0 or len(chunks) + extra >= self.config.max_batch:
                 break
             if seq.status is Status.WAITING and len(self.running) >= self.config.max_batch:
                 break  # running sequences that are not planned ahead still hold their slot
             waiting = seq.status is Status.WAITING
             if waiting and self.cache is not None and not self._take_cached(seq, step_id):
                 continue  # its next page is being computed: it takes it next step
-            n = min(self._uncomputed(seq), budget)
+            n = min(self._uncomputed(seq), room)
             if not self._reserve(seq, seq.num_computed + n, preempt=False):
                 if waiting:
                     self._free(seq)  # the cached pages it took go back
@@ -319,6 +335,7 @@ class Scheduler:
             self._ask_draft(seq, chunk)
             chunks.append(chunk)
             budget -= n
+            room -= n
         released, self._released = self._released, []
         if not chunks and not released:
             return None
@@ -326,6 +343,46 @@ class Scheduler:
         return Step(
             step_id, released, chunks, self.config.max_step_tokens - budget, decode_budget - budget
         )
+
+    def _prompt_room(self, candidates: list[Sequence], budget: int, rows: int) -> int:
+        """The prompt tokens this step may take: the budget left after its decode rows, or, when
+        the prompts it would take fill it to less than halfway from a token bucket of at least
+        TRIM_MIN_TOKENS to the next, up to that bucket. The tokens cut wait a step; fewer than
+        the padding rows they spare, they cost less there (in a step that decodes anyway, or
+        one of a smaller bucket) than the padding would have here.
+
+        What the step would take is worked out as the loop in schedule() takes it (the batch's
+        rows, the running limit, the pages free), but before a waiting prompt's cached pages
+        are counted: with those it can only take less, and then the cut is smaller or none."""
+        buckets = self.config.token_buckets
+        if not buckets or budget <= 0:
+            return budget
+        pages, running, slots = self._available(), len(self.running), self.config.max_batch - rows
+        offered = 0
+        for seq in candidates:
+            if offered >= budget or slots <= 0:
+                break
+            if seq.status is Status.WAITING:
+                if running >= self.config.max_batch:
+                    break
+                running += 1
+            n = min(self._uncomputed(seq), budget - offered)
+            need = self.config.pages_for(seq.num_computed + n) - len(seq.pages)
+            if need > pages:
+                break
+            pages -= max(need, 0)
+            offered += n
+            slots -= 1
+        if offered >= budget:
+            return budget  # a full step replays the largest bucket, every row of it used
+        used = self.config.max_step_tokens - budget
+        total = used + offered
+        below = max((b for b in buckets if b < total), default=0)
+        if below < TRIM_MIN_TOKENS or below <= used:
+            return budget
+        if total - below >= token_bucket(buckets, total) - total:
+            return budget
+        return below - used
 
     def _take_cached(self, seq: Sequence, step_id: int) -> bool:
         """Put the cached pages seq starts with in its page table, counted as computed; False

@@ -359,3 +359,121 @@ def test_a_sequence_not_planned_ahead_still_holds_its_batch_slot():
     sched.apply(first, {1: 7, 2: 7})
     step = sched.schedule()
     assert step.released == [1] and [c.seq.seq_id for c in step.chunks] == [2, 3]
+
+
+# ---- prompt chunks cut to end on a token bucket ----------------------------------------------
+POW2 = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+def _gpu_config(**kw) -> SchedulerConfig:
+    """A package's scale: 16-token pages, a 2,048-token step, its power-of-two buckets."""
+    base = {
+        "num_pages": 4096, "page_size": 16, "max_batch": 256, "max_step_tokens": 2048,
+        "max_seq_len": 4096, "token_buckets": POW2,
+    }  # fmt: skip
+    return SchedulerConfig(**{**base, **kw})
+
+
+def _own(seq: Sequence) -> Sequence:
+    """seq with a prompt of its own: none of it in another's cached pages."""
+    seq.prompt_ids = [t + 2000 * seq.seq_id for t in seq.prompt_ids]
+    return seq
+
+
+def _prompt_chunks(step) -> list[int]:
+    return [c.num_tokens for c in step.chunks if c.num_tokens > 1 or not c.seq.output_ids]
+
+
+@pytest.mark.parametrize(
+    ("buckets", "prompts", "first", "second"),
+    [
+        # 600 tokens would replay 1,024 rows: 512 now and 88 next step
+        (POW2, [600], [512], [88]),
+        # two prompts, 700 together: the second is cut
+        (POW2, [400, 300], [400, 112], [188]),
+        # 1,600 of 2,048: cutting 576 tokens to spare 448 padding rows does not pay
+        (POW2, [1600], [1600], None),
+        # 300 tokens: under TRIM_MIN_TOKENS a step costs about its weights' read, padded or not
+        (POW2, [300], [300], None),
+        # a full step has no padding
+        (POW2, [3000], [2048], [952]),
+        # denser buckets: 1,100 would replay 1,280 rows; cut to 1,024, 76 wait
+        ((*POW2[:7], 1280, 1536, 1792, 2048), [1100], [1024], [76]),
+        # no buckets (a package read without them): nothing is cut
+        ((), [600], [600], None),
+    ],
+)
+def test_prompt_chunks_end_on_a_bucket_when_that_spares_padding(buckets, prompts, first, second):
+    sched = Scheduler(_gpu_config(token_buckets=buckets))
+    for i, n in enumerate(prompts, 1):
+        sched.add(_own(_seq(i, n, 4)))
+    step = sched.schedule()
+    assert _prompt_chunks(step) == first
+    sched.apply(step, {c.seq.seq_id: 7 for c in step.sampling_chunks})
+    step = sched.schedule()
+    assert step.prompt_tokens == sum(second or [])
+    if second is not None:
+        assert _prompt_chunks(step) == second
+
+
+def test_a_cut_leaves_the_decode_rows_whole_and_fills_its_bucket():
+    sched = Scheduler(_gpu_config())
+    decoding = [_own(_seq(i, 8, 50)) for i in range(1, 101)]
+    for s in decoding:
+        sched.add(s)
+    step = sched.schedule()
+    sched.apply(step, {s.seq_id: 7 for s in decoding})
+    sched.add(_own(_seq(101, 1000, 4)))
+    step = sched.schedule()  # 100 decode rows + 1,000 prompt tokens would replay 2,048 rows
+    assert len(step.chunks) == 101 and step.prompt_tokens == 924 and step.num_tokens == 1024
+
+
+def _padding(buckets: tuple[int, ...], cut: bool, depth: int) -> tuple[int, int, int]:
+    """A mixed load over the RankModel, with the scheduler cutting prompt chunks to the
+    buckets or not: (padding rows of the steps with prompt chunks, their tokens, steps)."""
+    rng = random.Random(3)
+    sched = Scheduler(_gpu_config(num_pages=120, token_buckets=buckets if cut else ()))
+    rank, padding, tokens, steps = RankModel(16), 0, 0, 0
+    seqs = [_own(_seq(i, rng.randint(1, 1500), rng.randint(1, 40))) for i in range(1, 81)]
+    for s in seqs[:20]:
+        sched.add(s)
+
+    def count(step):
+        nonlocal padding, tokens, steps
+        steps += 1
+        if step.prompt_tokens:
+            padding += min(b for b in buckets if b >= step.num_tokens) - step.num_tokens
+            tokens += step.num_tokens
+
+    def arrive(n):  # four more requests every fifth step, as a stream of clients would
+        due = seqs[: 20 + 4 * (n // 5 + 1)]
+        for s in due[len(added) :]:
+            sched.add(s)
+            added.append(s)
+
+    added = seqs[:20]
+
+    original = sched.schedule
+
+    def schedule():
+        step = original()
+        if step is not None:
+            count(step)
+        return step
+
+    sched.schedule = schedule
+    finished, _ = _drive(sched, rank, _seeded, depth, before=arrive)
+    assert sorted(finished) == [s.seq_id for s in seqs]
+    for s in seqs:
+        n = len(s.prompt_ids)
+        assert s.output_ids == [_seeded(s, n + i) for i in range(s.max_tokens)]
+    assert sched.pages_in_use == 0 and not sched.running and sched.num_preemptions > 0
+    return padding, tokens, steps
+
+
+@pytest.mark.parametrize("depth", [1, 3])
+def test_cutting_prompt_chunks_spares_padding_and_keeps_every_token_exact(depth):
+    padded, tokens, _ = _padding(POW2, cut=False, depth=depth)
+    cut_padding, cut_tokens, _ = _padding(POW2, cut=True, depth=depth)
+    # the same prompts and outputs computed (preemptions recompute some, in both runs)
+    assert cut_padding < 0.75 * padded, (cut_padding, padded, tokens, cut_tokens)

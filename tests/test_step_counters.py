@@ -4,6 +4,8 @@ ranks: what each step computed, and the token bucket a GPU would replay it in.""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 
 from benchmarks.step_overhead import engine_config, local_ranks, running_engine
 from proto import wire_pb2
@@ -61,3 +63,44 @@ def _counts(engine) -> dict[str, int]:
     return {n: getattr(engine, n) for n in names} | {
         "prompt_bucket_tokens": engine.prompt_bucket_tokens
     }
+
+
+def test_a_prompt_step_is_cut_to_a_bucket_that_spares_padding(
+    tiny_checkpoints, package_cache, tmp_path
+):
+    """A 600-token prompt alone, under a 2,048-token budget with power-of-two buckets: one step
+    of 600 would replay the 1,024 bucket, so the scheduler computes 512 tokens, then 88 (a
+    128 bucket): 640 rows on a GPU instead of 1,024, and the same greedy tokens as a package
+    whose only bucket is the budget (where nothing is cut)."""
+
+    def run(pkg) -> tuple[list[int], dict[str, int]]:
+        async def go():
+            async with (
+                local_ranks(pkg, "cpu", kv_pages=256) as link,
+                running_engine(engine_config(pkg, overlap=True), link) as engine,
+            ):
+                params = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
+                before = _counts(engine)
+                outs = engine.generate(prompt, MAX_TOKENS, params, True)
+                tokens = [t async for out in outs for t in out.token_ids]
+                after = _counts(engine)
+            return tokens, {k: after[k] - before[k] for k in after}
+
+        return asyncio.run(go())
+
+    # the tiny Llama with room for the prompt (RoPE: its weights do not depend on the length)
+    source = tmp_path / "llama-1024"
+    shutil.copytree(tiny_checkpoints["llama"], source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    prompt = [(300 + 7 * j) % 4000 for j in range(600)]
+    common = {"max_batch": 4, "kv_page_size": 16, "max_seq_len": 1024, "max_step_tokens": 2048}
+    cut = open_package(package_cache(source, 1, **common))
+    whole = open_package(package_cache(source, 1, prefill_buckets=(2048,), **common))
+    assert whole.capacities.prefill_chunk_sizes == (2048,)
+    tokens, got = run(cut)
+    assert got["prompt_steps"] == 2 and got["prompt_step_tokens"] == 600
+    assert got["prompt_bucket_tokens"] == 512 + 128
+    whole_tokens, whole_got = run(whole)
+    assert whole_got["prompt_steps"] == 1 and whole_got["prompt_bucket_tokens"] == 2048
+    assert tokens == whole_tokens

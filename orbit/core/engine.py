@@ -99,8 +99,10 @@ class EngineConfig:
     # last and an error at once): above 1, each API server handles and writes a stream once
     # per that many tokens instead of every step, for less CPU per token at many streams.
     stream_interval: int = 1
-    # The package's prefill token buckets (capacities.prefill_chunk_sizes), for the count of
-    # the tokens a GPU computes in the steps with prompt chunks, padding included; (): none.
+    # The package's prefill token buckets (capacities.prefill_chunk_sizes): the scheduler cuts
+    # a step's prompt chunks to end on one where that spares padding (runtime/scheduler.py),
+    # and the core counts the tokens a GPU computes in steps with prompt chunks, padding
+    # included; (): neither.
     token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -390,6 +392,7 @@ class Engine:
                 cache_salt=c.cache_salt,
                 speculation=c.speculation,
                 exact_rows=self.link.exact_rows,
+                token_buckets=c.token_buckets,
             )
         )
         self._ready = True
