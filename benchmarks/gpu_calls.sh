@@ -54,7 +54,7 @@ sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, rest, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, rest, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -185,6 +185,31 @@ print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('o
   PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=150 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | grep -E "in-process|rror"
   ;;
+trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the tree in .abold
+  # (`git archive 9b69f11~1`, steps padded to their bucket as before; carry .abold too), the 8B
+  # with FP8 weights and KV through HTTP at 256 streams (and 64 for this tree first), then this
+  # tree in process at 256 while the call has time
+  pkill -f " -m ranks " || true
+  pkg=/tmp/orbit-8b-256-fp8kv
+  date -u +"%T fp8kv package (${SECONDS} s)"
+  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  for run in new old; do
+    date -u +"%T $run (${SECONDS} s)"
+    dir=.; levels=64,256
+    [ "$run" = old ] && dir=.abold && levels=256
+    (cd "$dir" && PKG=$pkg PART=http LEVELS=$levels SWEEP_TIMEOUT=200 OUT=$OUT/$run \
+      bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines)
+    python3 -c "
+import json; l = json.load(open('$OUT/$run/sweep.json'))['levels'][-1]
+print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})"
+    pkill -f " -m ranks " || true
+  done
+  if [ "$SECONDS" -lt 470 ]; then
+    PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=120 OUT=$OUT/new bash benchmarks/gpu_serving.sh \
+      2>&1 | grep -E "in-process|rror"
+  fi
+  ;;
 rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, built here
   # unless http16 left it), issue 20's FP8 against bf16 (batch 1 and 64, TTFT(2,048)), then
   # the dense token buckets through HTTP at 256 streams (against http16's fp8kv level) while
@@ -267,7 +292,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, rest, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, rest, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac
