@@ -188,7 +188,8 @@ print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('o
 trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the tree in .abold
   # (`git archive 9b69f11~1`, steps padded to their bucket as before; carry .abold too), the 8B
   # with FP8 weights and KV through HTTP at 256 streams (and 64 for this tree first), then this
-  # tree in process at 256 while the call has time
+  # tree in process at 256 while the call has time (TRIM_LEVELS=256 and TRIM_CORE_BEFORE=0 for
+  # a short call: the A/B at 256 alone)
   pkill -f " -m ranks " || true
   pkg=/tmp/orbit-8b-256-fp8kv
   date -u +"%T fp8kv package (${SECONDS} s)"
@@ -196,7 +197,7 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
     --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
   for run in new old; do
     date -u +"%T $run (${SECONDS} s)"
-    dir=.; levels=64,256
+    dir=.; levels=${TRIM_LEVELS:-64,256}
     [ "$run" = old ] && dir=.abold && levels=256
     (cd "$dir" && PKG=$pkg PART=http LEVELS=$levels SWEEP_TIMEOUT=200 OUT=$OUT/$run \
       bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines)
@@ -205,7 +206,7 @@ import json; l = json.load(open('$OUT/$run/sweep.json'))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})"
     pkill -f " -m ranks " || true
   done
-  if [ "$SECONDS" -lt 470 ]; then
+  if [ "$SECONDS" -lt "${TRIM_CORE_BEFORE:-470}" ]; then
     PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=120 OUT=$OUT/new bash benchmarks/gpu_serving.sh \
       2>&1 | grep -E "in-process|rror"
   fi
