@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from runtime import scheduler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, Sequence
 from runtime.speculation import (
@@ -520,12 +521,17 @@ def test_sequences_decoding_together_guess_whatever_their_rate():
     assert sched.spec_waits > 0  # the longer one, alone at the end
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["padded", "cut"])
 @pytest.mark.parametrize("seed", range(24))
-def test_random_workloads_keep_outputs_exact_and_return_every_page(seed):
+def test_random_workloads_keep_outputs_exact_and_return_every_page(seed, cut, monkeypatch):
     """The cases above at random and together: proposal depth and n-gram sizes, one or two
     steps in flight, pools and step budgets small enough to preempt, shared prefixes (the
     cache), stop tokens, cancellations, and whether a lone sequence guesses. Every sequence
-    not cancelled ends as it does without speculation, and every page comes back."""
+    not cancelled ends as it does without speculation, and every page comes back. cut: with
+    power-of-two token buckets, and prompt chunks cut to them from 4 tokens up (from 512 in
+    serving; these budgets are small)."""
+    if cut:
+        monkeypatch.setattr(scheduler, "TRIM_MIN_TOKENS", 4)
     rng = random.Random(seed)
     ngram_min = rng.randint(1, 3)
     spec = SpeculationConfig(
@@ -546,6 +552,9 @@ def test_random_workloads_keep_outputs_exact_and_return_every_page(seed):
         "max_step_tokens": rng.choice([8, 24, 32, 64]),
         "max_seq_len": 192,
     }
+    if cut:
+        budget = kw["max_step_tokens"]
+        kw["token_buckets"] = (*(b for b in (2, 4, 8, 16, 32) if b < budget), budget)
     depth = rng.choice([1, 2])
     aborts = {i + 1: rng.randrange(60) for i in range(n) if rng.random() < 0.2}
     rate = rng.choice([0.0, GUESS_MIN_RATE, 1.01])
