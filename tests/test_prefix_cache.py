@@ -8,6 +8,7 @@ from collections import deque
 
 import pytest
 
+from runtime import scheduler
 from runtime.sampling import SamplingParams
 from runtime.scheduler import Scheduler, SchedulerConfig, Sequence, Status
 from tests.test_scheduler import RankModel, _drive, _seeded
@@ -168,13 +169,19 @@ def _check_accounting(sched: Scheduler) -> None:
     assert sched.pages_in_use == len(holders)
 
 
+@pytest.mark.parametrize("cut", [False, True], ids=["padded", "cut"])
 @pytest.mark.parametrize("depth", [1, 2])
-def test_a_thousand_mixed_requests_keep_exact_accounting_and_tokens(depth):
+def test_a_thousand_mixed_requests_keep_exact_accounting_and_tokens(depth, cut, monkeypatch):
     """Shared system prompts, multi-turn conversations that resend their history, n > 1
     choices, aborts and a pool small enough to evict and preempt: every sequence ends with the
-    tokens a cache-less run draws, and the pool's accounting is exact at every step."""
+    tokens a cache-less run draws, and the pool's accounting is exact at every step. cut: with
+    token buckets, and prompt chunks cut to them from 8 tokens up (from 512 in serving)."""
     rng = random.Random(depth)
-    sched, rank = Scheduler(_config(num_pages=40, max_batch=12, max_step_tokens=24)), RankModel(PS)
+    buckets = (4, 8, 16, 24) if cut else ()
+    if cut:
+        monkeypatch.setattr(scheduler, "TRIM_MIN_TOKENS", 8)
+    config = _config(num_pages=40, max_batch=12, max_step_tokens=24, token_buckets=buckets)
+    sched, rank = Scheduler(config), RankModel(PS)
     systems = [[rng.randrange(5000) for _ in range(rng.randint(3, 30))] for _ in range(4)]
     conversations: list[list[int]] = []
     seq_ids, submitted, in_flight = iter(range(1, 10**6)), [], deque()
