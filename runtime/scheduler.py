@@ -352,8 +352,11 @@ class Scheduler:
         one of a smaller bucket) than the padding would have here.
 
         What the step would take is worked out as the loop in schedule() takes it (the batch's
-        rows, the running limit, the pages free), but before a waiting prompt's cached pages
-        are counted: with those it can only take less, and then the cut is smaller or none."""
+        rows, the running limit, the pages free), but without a waiting prompt's cached pages.
+        With them it computes fewer tokens, and the cut is smaller or none; it also needs fewer
+        pages, so where pages are short the step might have taken more than counted, and the
+        cut then defers more than it spares. That needs a full pool and a cache hit at once,
+        and it only moves tokens to the next step."""
         buckets = self.config.token_buckets
         if not buckets or budget <= 0:
             return budget
