@@ -54,6 +54,13 @@ sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
 }
 
+# The last level of a sweep report: its tokens/s, step figures, TTFT means and client share.
+level_figures() {
+  python3 -c "
+import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
+print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
+}
+
 case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, rest, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
@@ -178,9 +185,7 @@ buckets)  # issue 16: what the prompt steps' graph padding costs. The 8B with FP
     --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
   PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | sweep_lines
-  python3 -c "
-import json; l = json.load(open('$OUT/$kind/sweep.json'))['levels'][-1]
-print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})"
+  level_figures "$OUT/$kind/sweep.json"
   pkill -f " -m ranks " || true
   PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=150 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | grep -E "in-process|rror"
@@ -201,9 +206,7 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
     [ "$run" = old ] && dir=.abold && levels=256
     (cd "$dir" && PKG=$pkg PART=http LEVELS=$levels SWEEP_TIMEOUT=200 OUT=$OUT/$run \
       bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines)
-    python3 -c "
-import json; l = json.load(open('$OUT/$run/sweep.json'))['levels'][-1]
-print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})"
+    level_figures "$OUT/$run/sweep.json"
     pkill -f " -m ranks " || true
   done
   if [ "$SECONDS" -lt "${TRIM_CORE_BEFORE:-470}" ]; then
