@@ -1,13 +1,16 @@
 """FP8 weights against bf16 on one GPU, same model, same run: decode tokens/s at batch 1 and
 64, TTFT of a 2,048-token prompt, the logits' distance, and a tile sweep of the FP8 GEMV.
 
-    python -m benchmarks.fp8 --out DIR [--layers 32] [--scheme fp8-channel|fp8-block]
+    python -m benchmarks.fp8 --out DIR [--layers 32] [--scheme fp8-channel|fp8-block] [--kv8]
 
 The Llama-3.1-8B architecture with random weights drawn on the GPU (benchmarks/decode.py's
 random_shard); its linear layers are quantized to FP8 (runtime/quant.py, as `orbit prepare
 --quantize fp8` does) and the bf16 baseline runs the *dequantized* weights, so both compute
 the same function and their logits can be compared: the bf16 runner is the dequantized-bf16
 reference. Rooflines use the copy bandwidth measured here over each model's weight bytes.
+With --kv8 a fourth run takes the FP8 weights over FP8 KV pages (unit scales, as `orbit serve
+--kv-dtype fp8` without calibrated ones): the whole FP8 deployment against bf16; its rooflines
+still count bf16 pages.
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def compare_runs(result: dict, logits: dict, batches: str) -> None:
     for i, b in enumerate(batches.split(",")):
         base = min(result[k]["decode"][i]["tokens_per_s"] for k in ("bf16", "bf16_again"))
         result[f"speedup_batch{b}"] = result["fp8"]["decode"][i]["tokens_per_s"] / base
+        if "fp8_kv8" in result:
+            result[f"speedup_kv8_batch{b}"] = result["fp8_kv8"]["decode"][i]["tokens_per_s"] / base
 
 
 def _graph_us(fn, launches: int = 20) -> float:
@@ -172,6 +177,11 @@ def main(argv=None) -> int:
         help="FP8 products of many rows quantize their input in a launch of its own "
         "(cuda_ops.FUSE_QUANTIZE off), for a run to time the fusion against",
     )
+    p.add_argument(
+        "--kv8",
+        action="store_true",
+        help="a fourth run: the FP8 weights over FP8 KV pages (fp8_kv8 in the result)",
+    )
     args = p.parse_args(argv)
     if args.split_rows:
         use_split_k_up_to(args.split_rows)
@@ -180,6 +190,7 @@ def main(argv=None) -> int:
 
         cuda_ops.FUSE_QUANTIZE = False
     from prepare.model_spec import model_spec_from_config
+    from runtime.quant import KVQuant
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -194,10 +205,14 @@ def main(argv=None) -> int:
     torch.manual_seed(5)
     prompt = torch.randint(spec.vocab_size, (512,)).tolist()
     logits = {}
-    for name, tensors, q in (("bf16", deq, None), ("fp8", fp8, quant), ("bf16_again", deq, None)):
-        runner, start = build_runner(spec, tensors, args, quant=q)
-        for layer in runner.kv.layers:
-            layer.normal_()
+    runs = [("bf16", deq, None, None), ("fp8", fp8, quant, None), ("bf16_again", deq, None, None)]
+    if args.kv8:
+        runs.insert(2, ("fp8_kv8", fp8, quant, KVQuant.unit(spec.num_layers)))
+    for name, tensors, q, kv_quant in runs:
+        runner, start = build_runner(spec, tensors, args, quant=q, kv_quant=kv_quant)
+        for layer in runner.kv.layers:  # in slices: FP8 pages take no normal_()
+            for part in layer.split(1024):
+                part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
         r = {"start_up": start, "weight_GB": _weight_bytes(tensors) / 1e9}
         r["kv_pages"] = runner.kv_plan.num_pages
         r["decode"] = [
@@ -210,7 +225,7 @@ def main(argv=None) -> int:
         r["ttft"] = [
             measure_ttft(runner, spec, tensors, int(n), bw, flops) for n in args.prompts.split(",")
         ]
-        if name != "bf16_again":
+        if name in ("bf16", "fp8"):
             logits[name] = logits_for(runner, prompt, 16)
         result[name] = r
         print(name, json.dumps(r, indent=1), flush=True)
@@ -229,7 +244,7 @@ def main(argv=None) -> int:
             {
                 k: v
                 for k, v in result.items()
-                if k not in ("bf16", "fp8", "bf16_again", "gemv_sweep")
+                if k not in ("bf16", "fp8", "fp8_kv8", "bf16_again", "gemv_sweep")
             },
             indent=1,
         )

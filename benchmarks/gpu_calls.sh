@@ -215,7 +215,8 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
   fi
   ;;
 rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, built here
-  # unless http16 left it), issue 20's FP8 against bf16 (batch 1 and 64, TTFT(2,048)), then
+  # unless http16 left it), issue 20's FP8 against bf16 (batch 1 and 64, TTFT(2,048); FP8
+  # weights over FP8 pages too), then
   # the dense token buckets through HTTP at 256 streams (against http16's fp8kv level) while
   # the call has time
   pkill -f " -m ranks " || true
@@ -227,7 +228,7 @@ rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, 
     --out "$OUT/spec-batch64" 2>&1 | tail -3
   pkill -f " -m ranks " || true
   date -u +"%T fp8 (${SECONDS} s)"
-  timeout 200 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 2>&1 \
+  timeout 240 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 --kv8 2>&1 \
     | tail -25
   pkill -f " -m ranks " || true
   [ "$SECONDS" -lt 300 ] && bash "$0" buckets dense
