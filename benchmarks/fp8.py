@@ -8,9 +8,10 @@ random_shard); its linear layers are quantized to FP8 (runtime/quant.py, as `orb
 --quantize fp8` does) and the bf16 baseline runs the *dequantized* weights, so both compute
 the same function and their logits can be compared: the bf16 runner is the dequantized-bf16
 reference. Rooflines use the copy bandwidth measured here over each model's weight bytes.
-With --kv8 a fourth run takes the FP8 weights over FP8 KV pages (unit scales, as `orbit serve
---kv-dtype fp8` without calibrated ones): the whole FP8 deployment against bf16; its rooflines
-still count bf16 pages.
+With --kv8 two more runs take the FP8 weights over FP8 KV pages (unit scales, as `orbit serve
+--kv-dtype fp8` without calibrated ones), the whole FP8 deployment against bf16: fp8_kv8_tc
+with FlashInfer's tensor-core decode kernels, fp8_kv8_cudacore with its CUDA-core ones
+(cuda_attention.FP8_DECODE_TENSOR_CORES); their rooflines still count bf16 pages.
 """
 
 from __future__ import annotations
@@ -82,8 +83,8 @@ def compare_runs(result: dict, logits: dict, batches: str) -> None:
     for i, b in enumerate(batches.split(",")):
         base = min(result[k]["decode"][i]["tokens_per_s"] for k in ("bf16", "bf16_again"))
         result[f"speedup_batch{b}"] = result["fp8"]["decode"][i]["tokens_per_s"] / base
-        if "fp8_kv8" in result:
-            result[f"speedup_kv8_batch{b}"] = result["fp8_kv8"]["decode"][i]["tokens_per_s"] / base
+        for name in [k for k in result if k.startswith("fp8_kv8")]:
+            result[f"speedup_{name}_batch{b}"] = result[name]["decode"][i]["tokens_per_s"] / base
 
 
 def _graph_us(fn, launches: int = 20) -> float:
@@ -180,7 +181,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--kv8",
         action="store_true",
-        help="a fourth run: the FP8 weights over FP8 KV pages (fp8_kv8 in the result)",
+        help="two more runs: the FP8 weights over FP8 KV pages, tensor-core and CUDA-core decode",
     )
     args = p.parse_args(argv)
     if args.split_rows:
@@ -190,6 +191,7 @@ def main(argv=None) -> int:
 
         cuda_ops.FUSE_QUANTIZE = False
     from prepare.model_spec import model_spec_from_config
+    from runtime import cuda_attention
     from runtime.quant import KVQuant
 
     out = Path(args.out)
@@ -207,8 +209,13 @@ def main(argv=None) -> int:
     logits = {}
     runs = [("bf16", deq, None, None), ("fp8", fp8, quant, None), ("bf16_again", deq, None, None)]
     if args.kv8:
-        runs.insert(2, ("fp8_kv8", fp8, quant, KVQuant.unit(spec.num_layers)))
+        kv8 = KVQuant.unit(spec.num_layers)
+        runs[2:2] = [("fp8_kv8_tc", fp8, quant, kv8), ("fp8_kv8_cudacore", fp8, quant, kv8)]
+    tensor_cores = cuda_attention.FP8_DECODE_TENSOR_CORES
     for name, tensors, q, kv_quant in runs:
+        cuda_attention.FP8_DECODE_TENSOR_CORES = (
+            name.endswith("_tc") if name.startswith("fp8_kv8") else tensor_cores
+        )
         runner, start = build_runner(spec, tensors, args, quant=q, kv_quant=kv_quant)
         for layer in runner.kv.layers:  # in slices: FP8 pages take no normal_()
             for part in layer.split(1024):
@@ -244,7 +251,8 @@ def main(argv=None) -> int:
             {
                 k: v
                 for k, v in result.items()
-                if k not in ("bf16", "fp8", "fp8_kv8", "bf16_again", "gemv_sweep")
+                if k not in ("bf16", "fp8", "bf16_again", "gemv_sweep")
+                and not k.startswith("fp8_kv8_")
             },
             indent=1,
         )

@@ -61,7 +61,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, rest, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -214,6 +214,21 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
       2>&1 | grep -E "in-process|rror"
   fi
   ;;
+coreab)  # issue 16: the same requests in process at 256 streams, the tree in .abold (carry it)
+  # and then this one, the 8B with FP8 weights and KV: did the cut to a token bucket change
+  # what HTTP is compared with?
+  pkill -f " -m ranks " || true
+  pkg=/tmp/orbit-8b-256-fp8kv
+  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  for run in old new; do
+    date -u +"%T $run (${SECONDS} s)"
+    dir=.; [ "$run" = old ] && dir=.abold
+    (cd "$dir" && PKG=$pkg PART=core LEVELS=${CORE_LEVELS:-256} CORE_TIMEOUT=120 OUT=$OUT/$run \
+      bash benchmarks/gpu_serving.sh 2>&1 | grep -E "in-process|rror")
+    pkill -f " -m ranks " || true
+  done
+  ;;
 rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, built here
   # unless http16 left it), issue 20's FP8 against bf16 (batch 1 and 64, TTFT(2,048); FP8
   # weights over FP8 pages too), then
@@ -232,6 +247,17 @@ rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, 
     | tail -25
   pkill -f " -m ranks " || true
   [ "$SECONDS" -lt 300 ] && bash "$0" buckets dense
+  ;;
+kv8)  # issue 20: decode attention over FP8 pages, FlashInfer's CUDA-core kernel against its
+  # tensor-core one (bf16 pages beside them), then the FP8 weights over FP8 pages with each
+  # against bf16 (benchmarks.fp8 --kv8)
+  date -u +"%T attention (${SECONDS} s)"
+  timeout 240 python3 -m benchmarks.kernels --out "$OUT/kernels" --part attention \
+    --batches 64,256 --attention-contexts 512,4096 --attention-kv bf16,fp8 \
+    --variants tc-fa2,fa2-cudacore 2>&1 | grep -E "^attention|rror"
+  date -u +"%T fp8 (${SECONDS} s)"
+  timeout 300 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 --kv8 \
+    2>&1 | grep -E "^(bf16|fp8)|speedup|\"(tokens_per_s|graph_replay_ms|ttft_ms)|rror" | tail -60
   ;;
 chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8 weights and KV
   # pages; on an H100 the GPU step was the 12.6 ms interval, the chain 1.6 ms, 2026-12-06 15:48):
@@ -297,7 +323,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, rest, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

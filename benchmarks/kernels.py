@@ -467,14 +467,25 @@ def paged_caches(batch: int, context: int, layers: int):
     return page, pages_per_seq, caches, indptr, last
 
 
-def bench_attention(batch: int, context: int, layers: int, variants: list[str], bw: float) -> dict:
+def bench_attention(
+    batch: int, context: int, layers: int, variants: list[str], bw: float, kv: str = "bf16"
+) -> dict:
+    """Each decode variant over `batch` sequences of `context` tokens, per layer, with bf16 or
+    FP8 (e4m3, unit scales) pages; errors against the first variant that runs."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
     page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    caches = [c.to(kv_dtype) for c in caches]
     num_pages = batch * pages_per_seq
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    kv_bytes = layers * batch * context * KV_HEADS * HEAD_DIM * 2 * 2
-    row = {"batch": batch, "context": context, "kv_MB_per_layer": kv_bytes / layers / 1e6}
+    kv_bytes = layers * batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
+    row = {
+        "batch": batch,
+        "context": context,
+        "kv": kv,
+        "kv_MB_per_layer": kv_bytes / layers / 1e6,
+    }
     ref = None
     for name in variants:
         v = ATTENTION_VARIANTS[name]
@@ -501,6 +512,7 @@ def bench_attention(batch: int, context: int, layers: int, variants: list[str], 
                 HEAD_DIM,
                 page,
                 q_data_type=torch.bfloat16,
+                kv_data_type=kv_dtype,
                 **v["plan"],
             )
             out = w.run(q, caches[0])
@@ -604,6 +616,12 @@ def main(argv=None) -> int:
     p.add_argument("--splitk-fp8", action="store_true", help="splitk: float8 weights and rows")
     p.add_argument("--batches", default="1,8,32,64,128,256")
     p.add_argument("--variants", default=",".join(ATTENTION_VARIANTS))
+    p.add_argument(
+        "--attention-contexts",
+        default="512",
+        help="attention: tokens per sequence (beyond 512 over 4 layers, so big batches fit)",
+    )
+    p.add_argument("--attention-kv", default="bf16", help="attention: bf16, fp8 or bf16,fp8")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -702,8 +720,15 @@ def main(argv=None) -> int:
                 save()
     if "attention" in parts:
         result["attention"] = []
-        for b in (int(x) for x in args.batches.split(",")):
-            r = bench_attention(b, 512, 32, args.variants.split(","), bw)
+        cases = [
+            (b, ctx, kv)
+            for kv in args.attention_kv.split(",")
+            for ctx in (int(x) for x in args.attention_contexts.split(","))
+            for b in (int(x) for x in args.batches.split(","))
+        ]
+        for b, ctx, kv in cases:
+            variants = [v for v in args.variants.split(",") if not (kv == "fp8" and "fa3" in v)]
+            r = bench_attention(b, ctx, 32 if ctx <= 512 else 4, variants, bw, kv)
             result["attention"].append(r)
             cells = "  ".join(
                 f"{k}: {v['us_per_layer']:.1f} µs (err {v['err']:.1e})"
@@ -713,7 +738,8 @@ def main(argv=None) -> int:
                 if isinstance(v, dict)
             )
             print(
-                f"attention b={b} copy-rate {r['copy_rate_us_per_layer']:.1f} µs  {cells}",
+                f"attention {kv} b={b} ctx={ctx} copy-rate {r['copy_rate_us_per_layer']:.1f} µs"
+                f"  {cells}",
                 flush=True,
             )
             save()

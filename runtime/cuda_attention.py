@@ -17,7 +17,8 @@ calls (the CPU path's ReferenceAttention has the same one).
   wrapper runs FlashInfer's tensor-core kernels (its FA2 prefill kernel, with the GQA group's
   query heads packed as rows): on the H200 at 512 tokens of context they take 48 µs per layer
   at batch 64 where the CUDA-core decode kernels take 64, and no longer at batch 1
-  (benchmarks/kernels.py, docs/performance.md).
+  (benchmarks/kernels.py, docs/performance.md). Over FP8 pages too: on the H100 (2026-12-07)
+  the CUDA-core kernel took 82.8 µs a layer at batch 64 where the tensor-core one took 53.4.
 - PrefillGraphAttention: one per captured prefill graph (a token bucket of the package's
   prefill chunk sizes): prefill chunks and mixed steps, through FlashInfer's paged prefill in
   its CUDA-graph mode (FA3 kernels on sm90, as the eager path). The batch is fixed per graph
@@ -40,7 +41,11 @@ import torch
 
 from runtime import cuda_ops
 from runtime.kv_cache import KVCache
-from runtime.quant import KVQuant
+from runtime.quant import FP8, KVQuant
+
+# Decode rows over FP8 pages through FlashInfer's tensor-core kernels (True) or its CUDA-core
+# decode kernel: a switch for `benchmarks.fp8 --kv8`, which times both.
+FP8_DECODE_TENSOR_CORES = True
 
 
 def prefill_backend(device: torch.device, kv_quant: KVQuant | None) -> str:
@@ -159,7 +164,7 @@ class DecodeAttention:
             workspace,
             "NHD",
             use_cuda_graph=True,
-            use_tensor_cores=True,
+            use_tensor_cores=kv.dtype != FP8 or FP8_DECODE_TENSOR_CORES,
             paged_kv_indptr_buffer=self.indptr_buf,
             paged_kv_indices_buffer=self.indices_buf,
             paged_kv_last_page_len_buffer=self.last_len_buf,
