@@ -61,7 +61,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -214,6 +214,30 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
       2>&1 | grep -E "in-process|rror"
   fi
   ;;
+next)  # with little device time: on an H200, issue 16's target level (the FP8 8B through HTTP
+  # at 256 streams, then in process); on an H100, coreab
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    pkg=/tmp/orbit-8b-256-fp8kv
+    [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
+      --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 \
+      | tail -1
+    PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/h200 bash benchmarks/gpu_serving.sh \
+      2>&1 | sweep_lines
+    level_figures "$OUT/h200/sweep.json"
+    pkill -f " -m ranks " || true
+    PKG=$pkg PART=core LEVELS=256 CORE_TIMEOUT=120 OUT=$OUT/h200 bash benchmarks/gpu_serving.sh \
+      2>&1 | grep -E "in-process|rror"
+  else
+    bash "$0" coreab
+  fi
+  ;;
+fused)  # issues 16 and 20: Orbit's one-kernel decode attention against FlashInfer's path at 8
+  # to 64 rows and 512 to 4,096 tokens, over bf16 and FP8 pages: where the fused graphs should
+  # stop (CudaRunnerOptions.fused_decode_max_bucket, fused_decode_max_context)
+  timeout 400 python3 -m benchmarks.kernels --out "$OUT/kernels" --part decode --decode-kv \
+    bf16,fp8 --decode-cases 8x512,16x512,32x512,64x512,8x2048,16x2048,64x2048,64x4096 2>&1 \
+    | grep -E "^decode|rror"
+  ;;
 coreab)  # issue 16: the same requests in process at 256 streams, the tree in .abold (carry it)
   # and then this one, the 8B with FP8 weights and KV: did the cut to a token bucket change
   # what HTTP is compared with?
@@ -323,7 +347,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

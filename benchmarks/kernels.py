@@ -1,7 +1,8 @@
 """Kernel-level comparisons behind the CUDA path's choices, on the Llama-3.1-8B shapes (TP 1):
 the decode-sized linear layers (cuBLAS against the copy rate), Orbit's one-row GEMV, paged
 decode attention (FlashInfer's CUDA-core and tensor-core variants), and a layer's whole decode
-attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel.
+attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel; both
+attention parts over bf16 or FP8 pages (--attention-kv, --decode-kv).
 
     python -m benchmarks.kernels --out DIR [--part linear,gemv,few,fewsmall,splitk,attention,decode]
 
@@ -538,15 +539,18 @@ FUSED_CONFIGS = [  # (tokens per block, minimum tokens per split, warps) of deco
 ]
 
 
-def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict:
+def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str = "bf16") -> dict:
     """A layer's whole decode attention as the decode graph runs it: FlashInfer's path
     (RoPE + KV write kernel, tensor-core decode, split merge; DecodeAttention) against Orbit's
-    one kernel (FusedDecodeAttention) in each FUSED_CONFIGS tile, at `context` tokens a row."""
+    one kernel (FusedDecodeAttention) in each FUSED_CONFIGS tile, at `context` tokens a row,
+    over bf16 or FP8 (e4m3, unit scales) pages."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
     from runtime import cuda_ops, triton_kernels
 
     page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
+    caches = [c.to(kv_dtype) for c in caches]
     num_pages = batch * pages_per_seq
     dev = "cuda"
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)
@@ -560,8 +564,8 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict
     write_pages = (torch.arange(batch, device=dev) + 1) * pages_per_seq - 1
     write_offsets = torch.full((batch,), last_len - 1, dtype=torch.int64, device=dev)
     scale = HEAD_DIM**-0.5
-    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * 2
-    row = {"batch": batch, "context": context, "kv_MB_per_layer": kv_bytes / 1e6}
+    kv_bytes = batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
+    row = {"batch": batch, "context": context, "kv": kv, "kv_MB_per_layer": kv_bytes / 1e6}
 
     workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
     w = BatchDecodeWithPagedKVCacheWrapper(
@@ -574,7 +578,10 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict
         paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=dev),
         backend="fa2",
     )
-    w.plan(indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, q_data_type=torch.bfloat16)
+    w.plan(
+        indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, q_data_type=torch.bfloat16,
+        kv_data_type=kv_dtype,
+    )  # fmt: skip
 
     def flashinfer(c):
         rotated = cuda_ops.rope_and_store_kv(q, k, v, cos, sin, c, write_pages, write_offsets)
@@ -594,7 +601,8 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float) -> dict
         def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
-                write_offsets, out, work, scale, splits, block_t, min_chunk, warps,
+                write_offsets, out, work, scale, splits, block_t=block_t,
+                min_chunk=min_chunk, num_warps=warps,
             )  # fmt: skip
 
         fused(caches[0])
@@ -622,6 +630,12 @@ def main(argv=None) -> int:
         help="attention: tokens per sequence (beyond 512 over 4 layers, so big batches fit)",
     )
     p.add_argument("--attention-kv", default="bf16", help="attention: bf16, fp8 or bf16,fp8")
+    p.add_argument(
+        "--decode-cases",
+        default="1x512,2x512,4x512,8x512,16x512,32x512,64x512,1x2048,1x8192,8x4096",
+        help="decode: BATCHxCONTEXT cases",
+    )
+    p.add_argument("--decode-kv", default="bf16", help="decode: bf16, fp8 or bf16,fp8")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -745,13 +759,19 @@ def main(argv=None) -> int:
             save()
     if "decode" in parts:
         result["decode"] = []
-        cases = [(b, 512) for b in (1, 2, 4, 8, 16, 32, 64)] + [(1, 2048), (1, 8192), (8, 4096)]
-        for b, ctx in cases:
-            r = bench_fused_decode(b, ctx, 32, bw)
+        cases = [
+            (kv, *map(int, case.split("x")))
+            for kv in args.decode_kv.split(",")
+            for case in args.decode_cases.split(",")
+        ]
+        for kv, b, ctx in cases:
+            # 32 layers' caches up to 64 x 512 tokens, fewer beyond (at least 2: past L2)
+            layers = max(2, min(32, (64 * 512 * 32) // (b * ctx)))
+            r = bench_fused_decode(b, ctx, layers, bw, kv)
             result["decode"].append(r)
             best = r["best"]
             print(
-                f"decode attention b={b} ctx={ctx} copy-rate {r['copy_rate_us']:.1f} µs  "
+                f"decode attention {kv} b={b} ctx={ctx} copy-rate {r['copy_rate_us']:.1f} µs  "
                 f"FlashInfer {r['flashinfer_us']:.1f} µs  fused {best['us']:.1f} µs "
                 f"{best['tile']} (err {best['err']:.1e}, splits {r['splits']})  all "
                 + " ".join(f"{x['us']:.1f}" for x in r["fused"]),
