@@ -447,6 +447,12 @@ def _served_package(package: Path | None, cache_dir: Path, flags) -> Path:
         fail(str(e))
     except KeyboardInterrupt:
         fail("interrupted; the cache holds nothing half-written.", code=130)
+    except RuntimeError as e:
+        from prepare.cache import PrepareFailed  # imported late: it imports torch
+
+        if not isinstance(e, PrepareFailed):
+            raise
+        fail(str(e))
     except ValueError as e:
         from prepare.source import SourceError  # imported late: it imports torch
 

@@ -17,6 +17,8 @@ How this works:
   `.NAME.partial-*` directory and renames that into place last. One process at a time prepares
   a given entry (an flock on `.NAME.lock`); it removes what an interrupted prepare of the same
   entry left (partial directories, or an entry without manifest.pb) before starting.
+- The prepare itself runs in a spawned child process (`_prepare_apart`): `orbit serve` goes on
+  to serve in the process that asked, which should not carry the prepare's memory and imports.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import json
+import multiprocessing
 import os
+import pickle
 import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -70,8 +75,45 @@ def cached_package(
         if on_prepare is not None:
             on_prepare(f"preparing {source} into {entry} (once; later starts reuse it)")
         start = time.monotonic()
-        prepare_package(source, entry, opts, progress)
+        _prepare_apart(source, entry, opts, progress)
         return CachedPackage(entry, time.monotonic() - start)
+
+
+class PrepareFailed(RuntimeError):
+    """A prepare failed in its child process with an error that cannot come back as itself
+    (a library's exception whose constructor takes other arguments than its message)."""
+
+
+def _prepare_apart(source: Path, entry: Path, opts: PrepareOptions, progress: bool) -> None:
+    """prepare_package in a child process: the process that asked goes on to serve, and keeps
+    none of what a prepare loads (the dequantized weights, transformers' GGUF reader and what
+    it imports, such as scipy, whose bindings reported leaks at every exit after a first
+    start). Its errors are raised here, as themselves or as PrepareFailed."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        pool.submit(_prepare_in_child, source, entry, opts, progress).result()
+
+
+def _prepare_in_child(source: Path, entry: Path, opts: PrepareOptions, progress: bool) -> None:
+    try:
+        prepare_package(source, entry, opts, progress)
+    except Exception as e:
+        try:  # the executor sends the error back pickled; one that cannot be is re-stated
+            pickle.loads(pickle.dumps(e))
+        except Exception:  # noqa: BLE001 - whatever the reason, the message must get through
+            raise PrepareFailed(f"preparing {source} failed: {_messages(e)}") from None
+        raise
+
+
+def _messages(e: BaseException | None) -> str:
+    """The error's type and message, then each cause's that says more."""
+    parts, said = [], ""
+    while e is not None and len(parts) < 4:
+        text = " ".join(str(e).split())
+        if text not in said:
+            parts.append(f"{type(e).__name__}: {text}")
+            said += text
+        e = e.__cause__ or e.__context__
+    return "; caused by ".join(parts)
 
 
 def entry_path(source: Path, cache_dir: Path, opts: PrepareOptions, progress: bool = True) -> Path:
