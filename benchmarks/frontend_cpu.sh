@@ -17,7 +17,9 @@ base=${BASE:?BASE: an older checkout (directory or tarball)}
 if [ -f "$base" ]; then
   mkdir "$work/base" && tar -xzf "$base" -C "$work/base" && base="$work/base"
 fi
-if [ -d .whl ]; then  # the openai client and what it needs, where the machine lacks them
+# the openai client and what it needs, where the machine lacks them (the kit's wheels are the
+# GPU image's Python's: installed over a working client of another Python they break it)
+if [ -d .whl ] && ! python3 -c "import openai, httptools" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$work/site" .whl/*.whl && export PYTHONPATH=$work/site:${PYTHONPATH:-}
 fi
