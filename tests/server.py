@@ -153,6 +153,13 @@ def left_behind(procs: dict[int, int | None]) -> list[str]:
     return left
 
 
+def live_in_group(group: int) -> list[str]:
+    """The processes of process group `group` that still run (zombies are not), a line each."""
+    pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]
+    members = {pid: fields for pid in pids if (fields := _stat(pid)) and int(fields[2]) == group}
+    return left_behind({pid: int(f[19]) for pid, f in members.items() if f[0] != "Z"})
+
+
 def _stat(pid: int) -> list[str] | None:
     """/proc/PID/stat from its state field on (the command name before it may hold spaces)."""
     try:

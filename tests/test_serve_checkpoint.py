@@ -19,7 +19,7 @@ import torch
 
 from orbit.core.local_ranks import free_port
 from tests.cli import REPO, orbit
-from tests.server import ServerProcess
+from tests.server import ServerProcess, live_in_group
 
 # Small capacities keep the SmolLM2 package and its KV cache light on a 2-core runner.
 SMOL_FLAGS = ("--max-seq-len", "512", "--max-batch", "8", "--max-step-tokens", "64")
@@ -184,15 +184,18 @@ def test_hf_directory_tp2_is_prepared_once_then_reused(tiny_checkpoints, tmp_pat
     assert f"preparing {ckpt}" in third_log and (entry / "manifest.pb").is_file()
 
 
-def _kill_while_preparing(source: Path, cache: Path, *args: str) -> list[Path]:
-    """Start `orbit serve SOURCE`, SIGKILL it once its prepare has begun writing; return the
-    partial directories it left."""
+def _signal_while_preparing(
+    source: Path, cache: Path, sig: signal.Signals, *args: str
+) -> tuple[list[Path], int, str, int]:
+    """Start `orbit serve SOURCE` in a session of its own and send its process group `sig` once
+    its prepare has begun writing; return the partial directories there then, its exit status,
+    its output (which ends once every process of the group has closed it) and the group's id."""
     cmd = [sys.executable, "-m", "orbit", "serve", str(source), "--cache-dir", str(cache), *args]
     proc = subprocess.Popen(
         cmd,
         cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
@@ -200,13 +203,28 @@ def _kill_while_preparing(source: Path, cache: Path, *args: str) -> list[Path]:
         while time.monotonic() < deadline and proc.poll() is None:
             partial = list((cache / "packages").glob(".*.partial-*"))
             if partial:
-                return partial
+                os.killpg(proc.pid, sig)
+                out, _ = proc.communicate(timeout=120)
+                return partial, proc.returncode, out.decode(), proc.pid
             time.sleep(0.05)
         raise AssertionError("orbit serve never began preparing")
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            proc.wait()
+
+
+def test_ctrl_c_while_preparing_ends_the_prepare_and_leaves_nothing(smollm2_path, tmp_path):
+    """The prepare runs in a child process: Ctrl-C (SIGINT to the terminal's process group)
+    ends both, with one line and status 130, and the cache keeps no partial entry."""
+    cache = tmp_path / "cache"
+    args = (*SMOL_FLAGS, "--port", str(free_port()))
+    partial, status, out, group = _signal_while_preparing(smollm2_path, cache, signal.SIGINT, *args)
+    assert status == 130, out
+    assert "error: interrupted; the cache holds nothing half-written." in out, out
+    assert "Traceback" not in out, out
+    assert not any(p.exists() for p in partial) and _entries(cache) == []
+    assert live_in_group(group) == []  # the prepare's process went with the server
 
 
 def test_gguf_served_with_one_command_after_an_interrupted_prepare(smollm2_path, tmp_path):
@@ -214,7 +232,9 @@ def test_gguf_served_with_one_command_after_an_interrupted_prepare(smollm2_path,
 
     cache = tmp_path / "cache"
     args = (*SMOL_FLAGS, "--dtype", "bfloat16", "--kv-cache-mb", "64", "--api-servers", "1")
-    partial = _kill_while_preparing(smollm2_path, cache, *args, "--port", str(free_port()))
+    partial, *_ = _signal_while_preparing(
+        smollm2_path, cache, signal.SIGKILL, *args, "--port", str(free_port())
+    )
     assert all(p.exists() for p in partial) and not _entries(cache)
 
     server, first_s = _start(smollm2_path, "--cache-dir", str(cache), *args, timeout_s=600)
