@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from orbit.core.local_ranks import free_port
-from tests.cli import REPO, orbit
+from tests.cli import REPO, default_sigint, orbit
 from tests.server import ServerProcess, live_in_group
 
 # Small capacities keep the SmolLM2 package and its KV cache light on a 2-core runner.
@@ -197,6 +197,7 @@ def _signal_while_preparing(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        preexec_fn=default_sigint,  # noqa: PLW1509 - the SIGINT case must reach its Python
     )
     try:
         deadline = time.monotonic() + 180
