@@ -289,6 +289,14 @@ def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=409
     return runner, {"size_and_warm_up_s": t1 - t0, "capture_s": t2 - t1}
 
 
+def fill_kv_randn(runner) -> None:
+    """N(0, 1) values into every KV page, bf16 or FP8 (which takes no normal_()), a slice at a
+    time: a bf16 temporary of a whole layer may not fit beside a large pool."""
+    for layer in runner.kv.layers:
+        for part in layer.split(1024):
+            part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
+
+
 # ---- measurements -----------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from benchmarks.decode import (
     build_runner,
     copy_bandwidth,
     decode_graph_profiles,
+    fill_kv_randn,
     hf_config,
     matmul_rate,
     measure_decode,
@@ -217,9 +218,7 @@ def main(argv=None) -> int:
             name.endswith("_tc") if name.startswith("fp8_kv8") else tensor_cores
         )
         runner, start = build_runner(spec, tensors, args, quant=q, kv_quant=kv_quant)
-        for layer in runner.kv.layers:  # in slices: FP8 pages take no normal_()
-            for part in layer.split(1024):
-                part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
+        fill_kv_randn(runner)
         r = {"start_up": start, "weight_GB": _weight_bytes(tensors) / 1e9}
         r["kv_pages"] = runner.kv_plan.num_pages
         r["decode"] = [

@@ -54,6 +54,14 @@ sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
 }
 
+# The random 8B with FP8 weights and KV pages at $1 unless it is there; prepare flags after it.
+fp8kv_package() {
+  local pkg=$1; shift
+  [ -f "$pkg/manifest.pb" ] || timeout 300 python3 -m benchmarks.random_package --out "$pkg" \
+    --max-batch 256 --quantize fp8 --kv-dtype fp8 "$@" --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 \
+    | tail -1
+}
+
 # The last level of a sweep report: its tokens/s, step figures, TTFT means and client share.
 level_figures() {
   python3 -c "
@@ -180,9 +188,7 @@ buckets)  # issue 16: what the prompt steps' graph padding costs. The 8B with FP
     extra=(--prefill-buckets 16,32,64,128,256,384,512,640,768,896,1024,1280,1536,1792)
   fi
   date -u +"%T $kind package (${SECONDS} s)"
-  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
-    --max-batch 256 --quantize fp8 --kv-dtype fp8 "${extra[@]}" \
-    --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  fp8kv_package $pkg "${extra[@]}"
   PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/$kind bash benchmarks/gpu_serving.sh \
     2>&1 | sweep_lines
   level_figures "$OUT/$kind/sweep.json"
@@ -198,8 +204,7 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
   pkill -f " -m ranks " || true
   pkg=/tmp/orbit-8b-256-fp8kv
   date -u +"%T fp8kv package (${SECONDS} s)"
-  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
-    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  fp8kv_package $pkg
   for run in new old; do
     date -u +"%T $run (${SECONDS} s)"
     dir=.; levels=${TRIM_LEVELS:-64,256}
@@ -218,9 +223,7 @@ next)  # with little device time: on an H200, issue 16's target level (the FP8 8
   # at 256 streams, then in process); on an H100, coreab
   if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     pkg=/tmp/orbit-8b-256-fp8kv
-    [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
-      --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 \
-      | tail -1
+    fp8kv_package $pkg
     PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/h200 bash benchmarks/gpu_serving.sh \
       2>&1 | sweep_lines
     level_figures "$OUT/h200/sweep.json"
@@ -243,8 +246,7 @@ coreab)  # issue 16: the same requests in process at 256 streams, the tree in .a
   # what HTTP is compared with?
   pkill -f " -m ranks " || true
   pkg=/tmp/orbit-8b-256-fp8kv
-  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
-    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  fp8kv_package $pkg
   for run in old new; do
     date -u +"%T $run (${SECONDS} s)"
     dir=.; [ "$run" = old ] && dir=.abold
@@ -289,8 +291,7 @@ chain)  # issue 16: where the host's per-step chain goes at 256 decode rows (FP8
   pkill -f " -m ranks " || true
   pip install -q --no-index --no-deps --target /tmp/spy .spy/*.whl >/dev/null 2>&1
   spy=/tmp/spy/bin/py-spy; pkg=/tmp/orbit-8b-256-fp8kv; mkdir -p "$OUT/chain"
-  [ -f $pkg/manifest.pb ] || timeout 300 python3 -m benchmarks.random_package --out $pkg \
-    --max-batch 256 --quantize fp8 --kv-dtype fp8 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  fp8kv_package $pkg
   python3 -m benchmarks.step_overhead --package $pkg --device cuda --prompt-tokens 512 \
     --new-tokens 1024 --batch 256 --out "$OUT/chain" >"$OUT/chain/so.log" 2>&1 &
   bench=$!

@@ -452,15 +452,17 @@ ATTENTION_VARIANTS = {
 }
 
 
-def paged_caches(batch: int, context: int, layers: int):
-    """(page size, pages per sequence, one random bf16 paged cache per layer, page indptr and
-    last-page lengths on the host): `batch` sequences of `context` tokens, pages in order."""
+def paged_caches(batch: int, context: int, layers: int, kv: str = "bf16"):
+    """(page size, pages per sequence, one random paged cache per layer, bf16 or FP8 (e4m3, unit
+    scales), page indptr and last-page lengths on the host): `batch` sequences of `context`
+    tokens, pages in order."""
     page = 16
     pages_per_seq = -(-context // page)
+    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
     caches = [
         torch.randn(
             batch * pages_per_seq, 2, page, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16
-        )
+        ).to(kv_dtype)
         for _ in range(layers)
     ]
     indptr = torch.arange(batch + 1, dtype=torch.int32) * pages_per_seq
@@ -475,9 +477,8 @@ def bench_attention(
     FP8 (e4m3, unit scales) pages; errors against the first variant that runs."""
     from flashinfer import BatchDecodeWithPagedKVCacheWrapper
 
-    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
-    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-    caches = [c.to(kv_dtype) for c in caches]
+    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers, kv)
+    kv_dtype = caches[0].dtype
     num_pages = batch * pages_per_seq
     q = torch.randn(batch, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
     kv_bytes = layers * batch * context * KV_HEADS * HEAD_DIM * 2 * caches[0].element_size()
@@ -548,9 +549,8 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
 
     from runtime import cuda_ops, triton_kernels
 
-    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers)
-    kv_dtype = torch.float8_e4m3fn if kv == "fp8" else torch.bfloat16
-    caches = [c.to(kv_dtype) for c in caches]
+    page, pages_per_seq, caches, indptr, last = paged_caches(batch, context, layers, kv)
+    kv_dtype = caches[0].dtype
     num_pages = batch * pages_per_seq
     dev = "cuda"
     qkv = torch.randn(batch, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device=dev, dtype=torch.bfloat16)

@@ -21,7 +21,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.decode import build_runner, hf_config, measure_decode, measure_ttft, random_shard
+from benchmarks.decode import (
+    build_runner,
+    fill_kv_randn,
+    hf_config,
+    measure_decode,
+    measure_ttft,
+    random_shard,
+)
 from benchmarks.fp8 import compare_runs, logits_for
 
 
@@ -54,9 +61,7 @@ def main(argv=None) -> int:
         runner, start = build_runner(
             spec, tensors, args, kv_quant=kv_quant, max_seq_len=max_seq_len
         )
-        for layer in runner.kv.layers:  # in slices: a bf16 temporary of a whole layer may not fit
-            for part in layer.split(1024):
-                part.copy_(torch.randn(part.shape, device=part.device, dtype=torch.bfloat16))
+        fill_kv_randn(runner)
         r = {"start_up": start, "kv_pages": runner.kv_plan.num_pages}
         r["kv_page_bytes"] = runner.kv_plan.page_bytes
         r["decode"] = [

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,8 +88,6 @@ def test_a_checkpoint_that_fails_to_prepare_is_named_in_one_error(tiny_checkpoin
     """The prepare runs in a child process, and transformers' own errors (whose exception
     types cannot be rebuilt from their message) still reach the user as one line that says
     what is wrong; the cache is left without an entry."""
-    import shutil
-
     bad = tmp_path / "bad"
     shutil.copytree(tiny_checkpoints["llama"], bad)
     config = json.loads((bad / "config.json").read_text())
