@@ -69,7 +69,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -274,6 +274,25 @@ rest)  # issue 19's batch 64 with speculation on against off (the bf16 package, 
   pkill -f " -m ranks " || true
   [ "$SECONDS" -lt 300 ] && bash "$0" buckets dense
   ;;
+fp8attn)  # issue 20: Orbit's fused decode attention over FP8 pages with float16 products (new,
+  # 2026-12-07; before, bf16 products: +12% on the FP8-pages batch-64 step) against FlashInfer's
+  # path, the GPU tests of FP8 pages, then FP8 weights and pages against bf16 with the fused
+  # graphs up to 64 rows and up to 8 (the default), each while the call has time
+  date -u +"%T kernels (${SECONDS} s)"
+  timeout 150 python3 -m benchmarks.kernels --out "$OUT/kernels" --part decode --decode-kv \
+    fp8,bf16 --decode-cases 64x512,64x2048,64x4096,16x512,8x512,256x512 2>&1 | grep -E "^decode|rror"
+  date -u +"%T tests (${SECONDS} s)"
+  timeout -s INT 150 python3 -m pytest -q --tb=short -p no:cacheprovider tests/gpu/test_kv_fp8.py \
+    >"$OUT/tests.txt" 2>&1
+  grep -E "passed|failed|^E |FAILED" "$OUT/tests.txt" | head -12
+  for bucket in 64 8; do
+    [ "$SECONDS" -gt "${FP8_UNTIL:-300}" ] && break
+    date -u +"%T fp8, fused decode up to $bucket rows (${SECONDS} s)"
+    timeout 170 python3 -m benchmarks.fp8 --out "$OUT/fp8-fused$bucket" --batches 1,64 \
+      --prompts 2048 --kv8 --fused-decode-max-bucket $bucket 2>&1 \
+      | grep -E "speedup|\"(tokens_per_s|graph_replay_ms|ttft_ms)|rror" | tail -40
+  done
+  ;;
 kv8)  # issue 20: decode attention over FP8 pages, FlashInfer's CUDA-core kernel against its
   # tensor-core one (bf16 pages beside them), then the FP8 weights over FP8 pages with each
   # against bf16 (benchmarks.fp8 --kv8)
@@ -348,7 +367,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -596,7 +596,11 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     dev_indptr, dev_last = indptr.to(dev), last.to(dev)
     out = torch.empty(batch, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     row["splits"], row["fused"] = splits, []
-    for block_t, min_chunk, warps in FUSED_CONFIGS:
+    # over FP8 pages the products run in float16 (the default) and, to compare, in bf16
+    product_kinds = (True, False) if kv == "fp8" else (True,)
+    configs = [(f16, *c) for f16 in product_kinds for c in FUSED_CONFIGS]
+    for f16, block_t, min_chunk, warps in configs:
+        triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
 
         def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
             triton_kernels.decode_attention(
@@ -608,8 +612,16 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
         fused(caches[0])
         err = rel_err(out, ref)
         us = graph_us([lambda c=c: fused(c) for c in caches])
-        row["fused"].append({"tile": [block_t, min_chunk, warps], "us": us, "err": err})
+        products = "f16" if f16 and kv == "fp8" else "model dtype"
+        row["fused"].append(
+            {"tile": [block_t, min_chunk, warps], "products": products, "us": us, "err": err}
+        )
+    triton_kernels.FP8_PAGES_F16_PRODUCTS = True
     row["best"] = min(row["fused"], key=lambda r: r["us"])
+    if kv == "fp8":
+        row["best_bf16_products"] = min(
+            (r for r in row["fused"] if r["products"] != "f16"), key=lambda r: r["us"]
+        )
     row["copy_rate_us"] = kv_bytes / bw * 1e6
     return row
 
@@ -773,7 +785,14 @@ def main(argv=None) -> int:
             print(
                 f"decode attention {kv} b={b} ctx={ctx} copy-rate {r['copy_rate_us']:.1f} µs  "
                 f"FlashInfer {r['flashinfer_us']:.1f} µs  fused {best['us']:.1f} µs "
-                f"{best['tile']} (err {best['err']:.1e}, splits {r['splits']})  all "
+                f"{best['tile']} {best['products']} (err {best['err']:.1e}, splits "
+                f"{r['splits']})"
+                + (
+                    f"  bf16 products {r['best_bf16_products']['us']:.1f} µs"
+                    if "best_bf16_products" in r
+                    else ""
+                )
+                + "  all "
                 + " ".join(f"{x['us']:.1f}" for x in r["fused"]),
                 flush=True,
             )

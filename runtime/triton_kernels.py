@@ -215,11 +215,14 @@ def _decode_attention_kernel(
     BLOCK_T: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     KV_FP8: tl.constexpr,
+    MM_F16: tl.constexpr,
     PDL: tl.constexpr,
     STORE_NEW: tl.constexpr,
 ):
-    # FP8 pages (KV_FP8): keys and values are widened to the model's dtype for the products;
-    # a layer's k scale goes into the softmax scale and its v scale into the output. The new
+    # FP8 pages (KV_FP8): keys and values are widened for the products, to float16 with
+    # MM_F16 (one conversion instruction per pair, and every e4m3 value is exact in it; the
+    # query and the probabilities are then float16 too) or else to the model's dtype; a
+    # layer's k scale goes into the softmax scale and its v scale into the output. The new
     # token's k and v are rounded to FP8 before it attends to them, as if read back.
     # One program per (row b, kv head h, split s): the GROUP query heads that share kv head h
     # attend over one chunk of row b's cached context. The context before the new token
@@ -248,9 +251,13 @@ def _decode_attention_kernel(
     hi = tl.minimum(lo + chunk, length - 1)  # cached positions of this split: [lo, hi)
     if lo < length:
         head_off = h * 2 * HALF
+        if MM_F16:
+            mm = tl.float16
+        else:
+            mm = out_ptr.dtype.element_ty
         k1, k2, v1, v2 = _kv_block(
             cache_ptr, indices_ptr, first_page, lo + t, hi, head_off, e, e_ok,
-            page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, out_ptr.dtype.element_ty,
+            page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
         )  # fmt: skip
         if PDL:
             gdc_wait()
@@ -268,8 +275,13 @@ def _decode_attention_kernel(
         x2 = tl.load(q_addr + HALF, mask=q_ok, other=0.0).to(tl.float32)
         # rotated q, rounded as the unfused path stores it: the products run on tensor cores
         # in bf16 with float32 sums, query heads padded to BLOCK_G >= 16 rows
-        q1 = (x1 * c1[None, :] - x2 * s1[None, :]).to(dtype)
-        q2 = (x2 * c2[None, :] + x1 * s2[None, :]).to(dtype)
+        q1 = x1 * c1[None, :] - x2 * s1[None, :]
+        q2 = x2 * c2[None, :] + x1 * s2[None, :]
+        if MM_F16:  # saturated: a query beyond float16's range would make every score nan
+            q1 = tl.clamp(q1, -65504.0, 65504.0)
+            q2 = tl.clamp(q2, -65504.0, 65504.0)
+        q1 = q1.to(mm)
+        q2 = q2.to(mm)
         k_addr = k_ptr + b * k_stride_t + h * k_stride_h + e
         y1 = tl.load(k_addr, mask=e_ok, other=0.0).to(tl.float32)
         y2 = tl.load(k_addr + HALF, mask=e_ok, other=0.0).to(tl.float32)
@@ -309,7 +321,7 @@ def _decode_attention_kernel(
             # the next block's loads are issued before this block's arithmetic
             nk1, nk2, nv1, nv2 = _kv_block(
                 cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e, e_ok,
-                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, dtype,
+                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
             )  # fmt: skip
             scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_T]
             scores = tl.where((start + t < hi)[None, :], scores * scale_log2, float("-inf"))
@@ -317,7 +329,7 @@ def _decode_attention_kernel(
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_sum = l_sum * alpha + tl.sum(p, 1)
-            p = p.to(dtype)
+            p = p.to(mm)
             acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
             acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
             m = m_new
@@ -365,6 +377,11 @@ def _decode_attention_kernel(
                 tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=q_ok)
                 tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=q_ok)
                 tl.store(count_ptr + b * NUM_KV_HEADS + h, 0)  # ready for the next step
+
+
+# decode_attention over FP8 pages widens keys and values to float16 for its products (True) or
+# to the model's dtype: a switch for `benchmarks.kernels --part decode`, which times both.
+FP8_PAGES_F16_PRODUCTS = True
 
 
 def decode_splits(batch: int, kv_heads: int, device) -> int:
@@ -464,6 +481,7 @@ def decode_attention(
         BLOCK_T=block_t,
         MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
         KV_FP8=cache.dtype == torch.float8_e4m3fn,
+        MM_F16=cache.dtype == torch.float8_e4m3fn and FP8_PAGES_F16_PRODUCTS,
         PDL=use_pdl,
         STORE_NEW=store_new,
         num_warps=num_warps,

@@ -17,6 +17,8 @@ import torch
 from runtime import cuda_ops
 
 TOL = 1e-5  # float32 on both sides: only the order of the sums differs
+# bf16 rows and float16 products against float32 (measured 3.4e-3 in the interpreter)
+BOUNDS = {"decode_attention_fp8": 1e-2}
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -174,6 +176,39 @@ def check_decode_attention(worst: dict) -> None:
         note(worst, "decode_kv_write", got_cache, expected_cache)
 
 
+def check_decode_attention_fp8(worst: dict) -> None:
+    """The fused decode attention over FP8 pages with scales, its products in float16: bf16
+    rows of eight query heads a KV head against attention in float32 over the pages the
+    kernel left (the new token's key and value as it quantized them), dequantized."""
+    from runtime import triton_kernels
+    from runtime.rope import apply_rope
+
+    batch, hq, hkv, hd, page, scales = 3, 8, 2, 32, 16, (0.5, 0.25)
+    lengths, tables = (40, 17, 70), ([3, 7, 1], [0, 5], [2, 4, 6, 8, 9])
+    cache = (torch.randn(10, 2, page, hkv, hd) * 2).to(torch.float8_e4m3fn)
+    q, k, v = (torch.randn(batch, h, hd).bfloat16() for h in (hq, hkv, hkv))
+    angles = torch.randn(batch, hd // 2)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
+    pages = [table[(length - 1) // page] for length, table in zip(lengths, tables)]
+    offsets = [(length - 1) % page for length in lengths]
+    out = torch.empty(batch, hq, hd, dtype=torch.bfloat16)
+    workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
+    triton_kernels.decode_attention(
+        q, k, v, cos, sin, cache, *_paged(lengths, tables, page), torch.tensor(pages),
+        torch.tensor(offsets), out, workspace, hd**-0.5, 2, kv_scales=scales, block_t=16,
+        min_chunk=16, num_warps=4,
+    )  # fmt: skip
+    q_rotated, pages_f32 = apply_rope(q.float(), cos.float(), sin.float()), cache.float()
+    expected = torch.empty(batch, hq, hd)
+    for b, (length, table) in enumerate(zip(lengths, tables)):
+        keys = torch.cat([pages_f32[p, 0] for p in table])[:length] * scales[0]
+        values = torch.cat([pages_f32[p, 1] for p in table])[:length] * scales[1]
+        for h in range(hq):
+            weights = torch.softmax(keys[:, h // (hq // hkv)] @ q_rotated[b, h] * hd**-0.5, 0)
+            expected[b, h] = weights @ values[:, h // (hq // hkv)]
+    note(worst, "decode_attention_fp8", out.float(), expected)
+
+
 def check_exact_tiles(worst: dict) -> None:
     """Inside cuda_ops.exact_rows() one row and a few take the few-rows kernel at one tile and
     ROWS, so rows together equal each row alone exactly (exact_tiles, 0 required; the padding
@@ -240,11 +275,12 @@ def main() -> int:
     check_rope_and_silu(worst)
     check_quantized_inputs(worst)
     check_decode_attention(worst)
+    check_decode_attention_fp8(worst)
     check_exact_tiles(worst)
     check_exact_attention(worst)
     print(json.dumps(worst))
     exact = all(v == 0.0 for name, v in worst.items() if name.startswith("exact"))
-    return 0 if exact and all(v <= TOL for v in worst.values()) else 1
+    return 0 if exact and all(v <= BOUNDS.get(name, TOL) for name, v in worst.items()) else 1
 
 
 if __name__ == "__main__":

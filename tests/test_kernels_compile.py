@@ -202,6 +202,7 @@ def _decode_attention(store_new: bool):
         "BLOCK_T": 64,
         "MIN_CHUNK": 128,
         "KV_FP8": False,
+        "MM_F16": False,
         "PDL": True,
         "STORE_NEW": store_new,
     }
@@ -212,6 +213,39 @@ def _decode_attention(store_new: bool):
 def test_decode_attention_compiles_for_hopper(store_new):
     """With the new token's KV write, and reading only (exact verification rows)."""
     assert _decode_attention(store_new).asm["cubin"]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path):
+    """The 8B's heads (32 query heads of 128 over 8 KV heads) over bf16 and FP8 pages, as
+    decode_attention launches it for a batch of 64 rows: no register spilled to local memory,
+    and over FP8 pages each pair of e4m3 values widens to float16 in one instruction with no
+    further conversion to bf16 (a scalar conversion an element, which the bf16 products
+    needed: 128 of them in the compiled kernel, 2026-12-07)."""
+    types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    constexprs = {
+        "NUM_KV_HEADS": 8,
+        "GROUP": 4,
+        "BLOCK_G": 16,
+        "HALF": 64,
+        "BLOCK_H": 64,
+        "PAGE_SIZE": 16,
+        "SPLITS": 1,
+        "BLOCK_T": 64,
+        "MIN_CHUNK": 128,
+        "KV_FP8": fp8,
+        "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
+        "PDL": True,
+        "STORE_NEW": True,
+    }
+    kernel = compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
+    usage = resources(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    if fp8:
+        ptx = kernel.asm["ptx"]
+        assert "cvt.rn.f16x2.e4m3x2" in ptx
+        assert "cvt.bf16.f16" not in ptx
 
 
 def test_exact_rows_attention_writes_and_reads_as_one_row():
