@@ -273,8 +273,9 @@ def _decode_attention_kernel(
         q_ok = g_ok[:, None] & e_ok[None, :]
         x1 = tl.load(q_addr, mask=q_ok, other=0.0).to(tl.float32)
         x2 = tl.load(q_addr + HALF, mask=q_ok, other=0.0).to(tl.float32)
-        # rotated q, rounded as the unfused path stores it: the products run on tensor cores
-        # in bf16 with float32 sums, query heads padded to BLOCK_G >= 16 rows
+        # rotated q, rounded as the unfused path stores it (or to float16, MM_F16): the
+        # products run on tensor cores with float32 sums, query heads padded to BLOCK_G >= 16
+        # rows
         q1 = x1 * c1[None, :] - x2 * s1[None, :]
         q2 = x2 * c2[None, :] + x1 * s2[None, :]
         if MM_F16:  # saturated: a query beyond float16's range would make every score nan
