@@ -137,6 +137,31 @@ def _paged(lengths, tables, page):
     return i32(indptr), i32(indices), i32(last_len)
 
 
+# The fused decode attention's rows: three of different lengths over scattered pages of 16.
+ROW_LENGTHS, ROW_TABLES = (40, 17, 70), ([3, 7, 1], [0, 5], [2, 4, 6, 8, 9])
+
+
+def _new_token_slots(lengths, tables, page) -> tuple[list[int], list[int]]:
+    """(pages, offsets): where each row's new token, its last, goes."""
+    pages = [table[(length - 1) // page] for length, table in zip(lengths, tables)]
+    return pages, [(length - 1) % page for length in lengths]
+
+
+def _attention(q_rotated, cache, lengths, tables, scales=(1.0, 1.0)) -> torch.Tensor:
+    """Each row's query heads attending, in float32, over the keys and values of its pages of
+    cache (times scales), its query heads shared evenly among the cache's KV heads."""
+    batch, hq, hd = q_rotated.shape
+    group = hq // cache.shape[3]
+    out = torch.empty(batch, hq, hd)
+    for b, (length, table) in enumerate(zip(lengths, tables)):
+        keys = torch.cat([cache[p, 0] for p in table])[:length].float() * scales[0]
+        values = torch.cat([cache[p, 1] for p in table])[:length].float() * scales[1]
+        for h in range(hq):
+            weights = torch.softmax(keys[:, h // group] @ q_rotated[b, h] * hd**-0.5, 0)
+            out[b, h] = weights @ values[:, h // group]
+    return out
+
+
 def check_decode_attention(worst: dict) -> None:
     """Orbit's fused decode attention (RoPE, the new token's KV write, attention over the
     row's pages, the context split in 1, 2 or 4 parts merged by the last program of a row)
@@ -146,24 +171,17 @@ def check_decode_attention(worst: dict) -> None:
     from runtime.rope import apply_rope
 
     batch, hq, hkv, hd, page = 3, 4, 2, 16, 16
-    lengths, tables = (40, 17, 70), ([3, 7, 1], [0, 5], [2, 4, 6, 8, 9])
+    lengths, tables = ROW_LENGTHS, ROW_TABLES
     cache = torch.randn(10, 2, page, hkv, hd)
     q, k, v = torch.randn(batch, hq, hd), torch.randn(batch, hkv, hd), torch.randn(batch, hkv, hd)
     angles = torch.randn(batch, hd // 2)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    pages = [table[(length - 1) // page] for length, table in zip(lengths, tables)]
-    offsets = [(length - 1) % page for length in lengths]
+    pages, offsets = _new_token_slots(lengths, tables, page)
     expected_cache = cache.clone()
     expected_cache[pages, 0, offsets] = apply_rope(k, cos, sin)
     expected_cache[pages, 1, offsets] = v
-    q_rotated, scale = apply_rope(q, cos, sin), hd**-0.5
-    expected = torch.empty(batch, hq, hd)
-    for b, (length, table) in enumerate(zip(lengths, tables)):
-        keys = torch.cat([expected_cache[p, 0] for p in table])[:length]
-        values = torch.cat([expected_cache[p, 1] for p in table])[:length]
-        for h in range(hq):
-            weights = torch.softmax(keys[:, h // (hq // hkv)] @ q_rotated[b, h] * scale, 0)
-            expected[b, h] = weights @ values[:, h // (hq // hkv)]
+    scale = hd**-0.5
+    expected = _attention(apply_rope(q, cos, sin), expected_cache, lengths, tables)
     for splits in (1, 2, 4):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
@@ -184,13 +202,12 @@ def check_decode_attention_fp8(worst: dict) -> None:
     from runtime.rope import apply_rope
 
     batch, hq, hkv, hd, page, scales = 3, 8, 2, 32, 16, (0.5, 0.25)
-    lengths, tables = (40, 17, 70), ([3, 7, 1], [0, 5], [2, 4, 6, 8, 9])
+    lengths, tables = ROW_LENGTHS, ROW_TABLES
     cache = (torch.randn(10, 2, page, hkv, hd) * 2).to(torch.float8_e4m3fn)
     q, k, v = (torch.randn(batch, h, hd).bfloat16() for h in (hq, hkv, hkv))
     angles = torch.randn(batch, hd // 2)
     cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
-    pages = [table[(length - 1) // page] for length, table in zip(lengths, tables)]
-    offsets = [(length - 1) % page for length in lengths]
+    pages, offsets = _new_token_slots(lengths, tables, page)
     out = torch.empty(batch, hq, hd, dtype=torch.bfloat16)
     workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
     triton_kernels.decode_attention(
@@ -198,14 +215,8 @@ def check_decode_attention_fp8(worst: dict) -> None:
         torch.tensor(offsets), out, workspace, hd**-0.5, 2, kv_scales=scales, block_t=16,
         min_chunk=16, num_warps=4,
     )  # fmt: skip
-    q_rotated, pages_f32 = apply_rope(q.float(), cos.float(), sin.float()), cache.float()
-    expected = torch.empty(batch, hq, hd)
-    for b, (length, table) in enumerate(zip(lengths, tables)):
-        keys = torch.cat([pages_f32[p, 0] for p in table])[:length] * scales[0]
-        values = torch.cat([pages_f32[p, 1] for p in table])[:length] * scales[1]
-        for h in range(hq):
-            weights = torch.softmax(keys[:, h // (hq // hkv)] @ q_rotated[b, h] * hd**-0.5, 0)
-            expected[b, h] = weights @ values[:, h // (hq // hkv)]
+    q_rotated = apply_rope(q.float(), cos.float(), sin.float())
+    expected = _attention(q_rotated, cache, lengths, tables, scales)
     note(worst, "decode_attention_fp8", out.float(), expected)
 
 

@@ -188,25 +188,29 @@ ROPE_TYPES = {
 }
 
 
-def _decode_attention(store_new: bool):
-    """SmolLM2-135M's heads (9 query heads of 64 over 3 KV heads) as FusedDecodeAttention
-    launches the kernel for one row: 32 splits."""
+def _decode_attention(store_new: bool, heads=(3, 3, 32), splits: int = 32, fp8: bool = False):
+    """The kernel as FusedDecodeAttention launches it: by default with SmolLM2-135M's heads
+    (9 query heads of 64 over 3 KV heads, heads = (KV heads, group, half the head size)) for
+    one row, 32 splits; over bf16 pages, or FP8 ones with the products decode_attention
+    chooses for them."""
+    kv_heads, group, half = heads
     constexprs = {
-        "NUM_KV_HEADS": 3,
-        "GROUP": 3,
+        "NUM_KV_HEADS": kv_heads,
+        "GROUP": group,
         "BLOCK_G": 16,
-        "HALF": 32,
-        "BLOCK_H": 32,
+        "HALF": half,
+        "BLOCK_H": half,
         "PAGE_SIZE": 16,
-        "SPLITS": 32,
+        "SPLITS": splits,
         "BLOCK_T": 64,
         "MIN_CHUNK": 128,
-        "KV_FP8": False,
-        "MM_F16": False,
+        "KV_FP8": fp8,
+        "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
         "PDL": True,
         "STORE_NEW": store_new,
     }
-    return compile_sm90(triton_kernels._decode_attention_kernel, ATTENTION_TYPES, constexprs, 8)
+    types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    return compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
 
 
 @pytest.mark.parametrize("store_new", [True, False])
@@ -223,23 +227,7 @@ def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path)
     and over FP8 pages each pair of e4m3 values widens to float16 in one instruction with no
     further conversion to bf16 (a scalar conversion an element, which the bf16 products
     needed: 128 of them in the compiled kernel, 2026-12-07)."""
-    types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
-    constexprs = {
-        "NUM_KV_HEADS": 8,
-        "GROUP": 4,
-        "BLOCK_G": 16,
-        "HALF": 64,
-        "BLOCK_H": 64,
-        "PAGE_SIZE": 16,
-        "SPLITS": 1,
-        "BLOCK_T": 64,
-        "MIN_CHUNK": 128,
-        "KV_FP8": fp8,
-        "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
-        "PDL": True,
-        "STORE_NEW": True,
-    }
-    kernel = compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
+    kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8)
     usage = resources(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     if fp8:
