@@ -599,24 +599,27 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     # over FP8 pages the products run in float16 (the default) and, to compare, in bf16
     product_kinds = (True, False) if kv == "fp8" else (True,)
     configs = [(f16, *c) for f16 in product_kinds for c in FUSED_CONFIGS]
-    for f16, block_t, min_chunk, warps in configs:
-        triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
+    default_products = triton_kernels.FP8_PAGES_F16_PRODUCTS
+    try:
+        for f16, block_t, min_chunk, warps in configs:
+            triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
 
-        def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
-            triton_kernels.decode_attention(
-                q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
-                write_offsets, out, work, scale, splits, block_t=block_t,
-                min_chunk=min_chunk, num_warps=warps,
-            )  # fmt: skip
+            def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
+                triton_kernels.decode_attention(
+                    q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
+                    write_offsets, out, work, scale, splits, block_t=block_t,
+                    min_chunk=min_chunk, num_warps=warps,
+                )  # fmt: skip
 
-        fused(caches[0])
-        err = rel_err(out, ref)
-        us = graph_us([lambda c=c: fused(c) for c in caches])
-        products = "f16" if f16 and kv == "fp8" else "model dtype"
-        row["fused"].append(
-            {"tile": [block_t, min_chunk, warps], "products": products, "us": us, "err": err}
-        )
-    triton_kernels.FP8_PAGES_F16_PRODUCTS = True
+            fused(caches[0])
+            err = rel_err(out, ref)
+            us = graph_us([lambda c=c: fused(c) for c in caches])
+            products = "f16" if f16 and kv == "fp8" else "model dtype"
+            row["fused"].append(
+                {"tile": [block_t, min_chunk, warps], "products": products, "us": us, "err": err}
+            )
+    finally:
+        triton_kernels.FP8_PAGES_F16_PRODUCTS = default_products
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":
         row["best_bf16_products"] = min(
