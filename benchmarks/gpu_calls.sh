@@ -11,6 +11,8 @@
 # servecuda (carry the kit as for one): tests/gpu/test_serve_cuda.py, the exact test first.
 # With little device time for the copy-heavy run: carry [".gpu", ".gputok", ".gga", ".whl"]:
 # stage; carry [".ggb"]: stage; carry [".gpu", ".gputok", ".ggc", ".whl"]: copycap.
+# prefix (carry the kit as for one): issue 18's cached-turn attention, FlashInfer against
+# Orbit's split-context kernel, and its GPU test.
 # tiles, profile, fp8profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the
 # exact graphs (issue 19), the 8B's decode profile (issue 18), the kernels of the 8B's batch-64
 # step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
@@ -69,7 +71,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -293,6 +295,18 @@ fp8attn)  # issue 20: Orbit's fused decode attention over FP8 pages with float16
       | grep -E "speedup|\"(tokens_per_s|graph_replay_ms|ttft_ms)|rror" | tail -40
   done
   ;;
+prefix)  # issue 18: the cached turn's attention (64 new tokens over 2,112: FA3 took 35 µs a
+  # layer on an H100, 2026-12-06, one CTA walking each head's context), FlashInfer's prefill
+  # against Orbit's split-context kernel (new, 2026-12-07), over bf16 and FP8 pages, then its
+  # GPU test against FlashInfer
+  date -u +"%T prefix kernels (${SECONDS} s)"
+  timeout 240 python3 -m benchmarks.kernels --out "$OUT/kernels" --part prefix --prefix-kv \
+    bf16,fp8 2>&1 | grep -E "^prefix|rror"
+  date -u +"%T tests (${SECONDS} s)"
+  timeout -s INT 120 python3 -m pytest -q --tb=short -p no:cacheprovider \
+    tests/gpu/test_prefix_attention.py >"$OUT/tests.txt" 2>&1
+  grep -E "passed|failed|^E |FAILED" "$OUT/tests.txt" | head -12
+  ;;
 kv8)  # issue 20: decode attention over FP8 pages, FlashInfer's CUDA-core kernel against its
   # tensor-core one (bf16 pages beside them), then the FP8 weights over FP8 pages with each
   # against bf16 (benchmarks.fp8 --kv8)
@@ -367,7 +381,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

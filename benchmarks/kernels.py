@@ -4,7 +4,7 @@ decode attention (FlashInfer's CUDA-core and tensor-core variants), and a layer'
 attention, RoPE and KV write included: FlashInfer's path against Orbit's fused kernel; both
 attention parts over bf16 or FP8 pages (--attention-kv, --decode-kv).
 
-    python -m benchmarks.kernels --out DIR [--part linear,gemv,few,fewsmall,splitk,attention,decode]
+    python -m benchmarks.kernels --out DIR [--part linear,gemv,few,fewsmall,splitk,attention,decode,prefix]
 
 Every kernel is timed inside a CUDA graph of many calls (as the decode graph runs them), over
 enough distinct weight / KV copies that nothing is served from the 50 MB L2 cache. Results:
@@ -629,6 +629,97 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     return row
 
 
+PREFIX_CONFIGS = [  # (query tokens a block, tokens a key block, minimum tokens a split, warps)
+    (16, 64, 128, 8),
+    (16, 64, 256, 8),
+    (16, 32, 128, 8),
+    (8, 64, 128, 8),
+    (32, 64, 128, 8),
+]
+
+
+def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16") -> dict:
+    """A layer's attention for a step of `seqs` sequences bringing `new` tokens each, `context`
+    tokens in all (the new ones included): a turn after a cached prefix. FlashInfer's paged
+    prefill in CUDA-graph mode as the prefill graphs run it (FA3 over bf16 pages on Hopper, FA2
+    over FP8; and FA2 over bf16 beside it) against Orbit's split-context kernel
+    (triton_kernels.prefix_attention) in each PREFIX_CONFIGS tile. The queries come rotated and
+    the new tokens' KV written, as in both paths after the shared RoPE + KV-write kernel."""
+    from flashinfer import BatchPrefillWithPagedKVCacheWrapper
+
+    from runtime import triton_kernels
+    from runtime.cuda_attention import prefill_backend
+
+    dev = "cuda"
+    kv_bytes = seqs * context * KV_HEADS * HEAD_DIM * 2 * (1 if kv == "fp8" else 2)
+    page, pages_per_seq, caches, indptr, last = paged_caches(
+        seqs, context, copies_for(kv_bytes), kv
+    )
+    kv_dtype = caches[0].dtype
+    tokens = seqs * new
+    qo = torch.arange(seqs + 1, dtype=torch.int32) * new
+    indices = torch.arange(seqs * pages_per_seq, dtype=torch.int32, device=dev)
+    q = torch.randn(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    scale = HEAD_DIM**-0.5
+    row = {"seqs": seqs, "new": new, "context": context, "kv": kv,
+           "kv_MB_per_layer": kv_bytes / 1e6, "copy_rate_us": kv_bytes / bw * 1e6}  # fmt: skip
+    # the runtime's choice first (FA3 over bf16 pages on Hopper), FA2 beside it
+    backends = ["fa2"] if kv == "fp8" else [prefill_backend(torch.device(dev), None)]
+    backends += ["fa2"] if backends[0] != "fa2" else []
+    ref = None
+    for backend in backends:
+        workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=dev)
+        w = BatchPrefillWithPagedKVCacheWrapper(
+            workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indptr_buf=torch.zeros(seqs + 1, dtype=torch.int32, device=dev),
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=torch.zeros(seqs, dtype=torch.int32, device=dev),
+            backend=backend,
+        )
+        w.plan(
+            qo, indptr, indices, last, HEADS, KV_HEADS, HEAD_DIM, page, causal=True,
+            sm_scale=scale, q_data_type=torch.bfloat16, kv_data_type=kv_dtype,
+        )  # fmt: skip
+        out = w.run(q, caches[0])
+        ref = out if ref is None else ref
+        row[backend] = {
+            "us": graph_us([lambda c=c, w=w: w.run(q, c) for c in caches]),
+            "err": rel_err(out, ref),
+        }
+    dev_qo, dev_indptr, dev_last = qo.to(dev), indptr.to(dev), last.to(dev)
+    out = torch.empty(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
+    row["orbit"] = []
+    for q_tokens, block_t, min_chunk, warps in PREFIX_CONFIGS:
+        blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
+        splits = triton_kernels.decode_splits(blocks, KV_HEADS, torch.device(dev))
+        work = triton_kernels.prefix_workspace(
+            blocks, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, splits, q_tokens, dev
+        )
+
+        def orbit(c, q_tokens=q_tokens, block_t=block_t, min_chunk=min_chunk, warps=warps,
+                  blocks=blocks, splits=splits, work=work):  # fmt: skip
+            triton_kernels.prefix_attention(
+                q, c, dev_qo, dev_indptr, indices, dev_last, out, work, scale, splits, blocks,
+                q_tokens=q_tokens, block_t=block_t, min_chunk=min_chunk, num_warps=warps,
+            )  # fmt: skip
+
+        try:
+            orbit(caches[0])
+            err = rel_err(out, ref)
+            us = graph_us([lambda c=c: orbit(c) for c in caches])
+            tile = [q_tokens, block_t, min_chunk, warps]
+            row["orbit"].append({"tile": tile, "splits": splits, "us": us, "err": err})
+        except Exception as e:  # a tile that does not compile or fit here is reported
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+            row["orbit"].append({"tile": [q_tokens, block_t, min_chunk, warps], "error": error})
+    timed = [r for r in row["orbit"] if "us" in r]
+    row["best"] = min(timed, key=lambda r: r["us"]) if timed else None
+    return row
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
@@ -651,6 +742,12 @@ def main(argv=None) -> int:
         help="decode: BATCHxCONTEXT cases",
     )
     p.add_argument("--decode-kv", default="bf16", help="decode: bf16, fp8 or bf16,fp8")
+    p.add_argument(
+        "--prefix-cases",
+        default="1x64x2112,1x64x576,1x64x4160,4x64x2112,1x16x2064,1x256x2304",
+        help="prefix: SEQSxNEWxCONTEXT cases (context: tokens a sequence, the new ones included)",
+    )
+    p.add_argument("--prefix-kv", default="bf16", help="prefix: bf16, fp8 or bf16,fp8")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -800,6 +897,23 @@ def main(argv=None) -> int:
                 flush=True,
             )
             save()
+    if "prefix" in parts:
+        result["prefix"] = []
+        for kv in args.prefix_kv.split(","):
+            for case in args.prefix_cases.split(","):
+                seqs, new, ctx = (int(x) for x in case.split("x"))
+                r = bench_prefix(seqs, new, ctx, bw, kv)
+                result["prefix"].append(r)
+                best = r["best"] or {"us": float("nan"), "tile": None, "err": float("nan")}
+                flashinfer = "  ".join(f"{b} {r[b]['us']:.1f} µs" for b in ("fa3", "fa2") if b in r)
+                print(
+                    f"prefix attention {kv} {seqs}x{new} ctx={ctx} copy-rate "
+                    f"{r['copy_rate_us']:.1f} µs  {flashinfer}  orbit {best['us']:.1f} µs "
+                    f"{best['tile']} (err {best['err']:.1e})  all "
+                    + " ".join(f"{x['us']:.1f}" if "us" in x else "x" for x in r["orbit"]),
+                    flush=True,
+                )
+                save()
     save()
     return 0
 

@@ -336,48 +336,83 @@ def _decode_attention_kernel(
             m = m_new
             k1, k2, v1, v2 = nk1, nk2, nv1, nv2
         out_addr = out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[:, None] * 2 * HALF + e[None, :]
-        if active == 1:
-            tl.store(out_addr, (acc1 / l_sum[:, None] * v_scale).to(dtype), mask=q_ok)
-            tl.store(out_addr + HALF, (acc2 / l_sum[:, None] * v_scale).to(dtype), mask=q_ok)
-        else:
-            row = (b * NUM_KV_HEADS + h) * SPLITS
-            tile = g[:, None] * 2 * BLOCK_H + e[None, :]
-            acc_base = part_acc_ptr + (row + s) * BLOCK_G * 2 * BLOCK_H
-            tl.store(acc_base + tile, acc1, mask=q_ok)
-            tl.store(acc_base + tile + BLOCK_H, acc2, mask=q_ok)
-            ml_base = part_ml_ptr + (row + s) * 2 * BLOCK_G
-            tl.store(ml_base + g, m, mask=g_ok)
-            tl.store(ml_base + BLOCK_G + g, l_sum, mask=g_ok)
-            # every thread's stores above happen before the counter's release
-            tl.debug_barrier()
-            done = tl.atomic_add(count_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
-            if done == active - 1:
-                # The last split to finish merges all; .cg loads read L2, never an L1 line left
-                # by an earlier step. (Loading every split's state at once measured slower.)
-                ml = part_ml_ptr + row * 2 * BLOCK_G + g
-                m_all = tl.full([BLOCK_G], float("-inf"), tl.float32)
-                for j in range(0, active):
-                    mj = tl.load(ml + j * 2 * BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    m_all = tl.maximum(m_all, mj)
-                total = tl.zeros([BLOCK_G], tl.float32)
-                o1 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
-                o2 = tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
-                acc = part_acc_ptr + row * BLOCK_G * 2 * BLOCK_H + tile
-                for j in range(0, active):
-                    mj = tl.load(ml + j * 2 * BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg")
-                    lj = tl.load(
-                        ml + j * 2 * BLOCK_G + BLOCK_G, mask=g_ok, other=0.0, cache_modifier=".cg"
-                    )
-                    wj = tl.exp2(mj - m_all)
-                    total += wj * lj
-                    aj = acc + j * BLOCK_G * 2 * BLOCK_H
-                    a1 = tl.load(aj, mask=q_ok, other=0.0, cache_modifier=".cg")
-                    a2 = tl.load(aj + BLOCK_H, mask=q_ok, other=0.0, cache_modifier=".cg")
-                    o1 += wj[:, None] * a1
-                    o2 += wj[:, None] * a2
-                tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=q_ok)
-                tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=q_ok)
-                tl.store(count_ptr + b * NUM_KV_HEADS + h, 0)  # ready for the next step
+        _finish_split(
+            acc1, acc2, m, l_sum, out_addr, g, g_ok, e, q_ok, s, active, part_acc_ptr,
+            part_ml_ptr, count_ptr + b * NUM_KV_HEADS + h, (b * NUM_KV_HEADS + h) * SPLITS,
+            v_scale, HALF, BLOCK_G, BLOCK_H,
+        )  # fmt: skip
+
+
+@triton.jit
+def _finish_split(
+    acc1,
+    acc2,
+    m,
+    l_sum,
+    out_addr,
+    rows,
+    rows_ok,
+    e,
+    ok,
+    s,
+    active,
+    part_acc_ptr,
+    part_ml_ptr,
+    counter,
+    first,
+    v_scale,
+    HALF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Split s's softmax state (log2 domain: max m and sum l_sum [BLOCK_M], the output's halves
+    acc1, acc2 [BLOCK_M, BLOCK_H]) to the output rows at out_addr (their first halves; the
+    second halves HALF further). Alone (active == 1) it stores them; of several, it stores its
+    state in the workspace's entry first + s, and the last split to finish (the acq_rel
+    counter) merges all, so there is no second kernel. Every row must have seen a key in one
+    split at least."""
+    dtype = out_addr.dtype.element_ty
+    if active == 1:
+        tl.store(out_addr, (acc1 / l_sum[:, None] * v_scale).to(dtype), mask=ok)
+        tl.store(out_addr + HALF, (acc2 / l_sum[:, None] * v_scale).to(dtype), mask=ok)
+    else:
+        tile = rows[:, None] * 2 * BLOCK_H + e[None, :]
+        acc_base = part_acc_ptr + (first + s) * BLOCK_M * 2 * BLOCK_H
+        tl.store(acc_base + tile, acc1, mask=ok)
+        tl.store(acc_base + tile + BLOCK_H, acc2, mask=ok)
+        ml_base = part_ml_ptr + (first + s) * 2 * BLOCK_M
+        tl.store(ml_base + rows, m, mask=rows_ok)
+        tl.store(ml_base + BLOCK_M + rows, l_sum, mask=rows_ok)
+        # every thread's stores above happen before the counter's release
+        tl.debug_barrier()
+        done = tl.atomic_add(counter, 1, sem="acq_rel")
+        if done == active - 1:
+            # The last split to finish merges all; .cg loads read L2, never an L1 line left
+            # by an earlier step. (Loading every split's state at once measured slower.)
+            ml = part_ml_ptr + first * 2 * BLOCK_M + rows
+            m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            for j in range(active):
+                mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                m_all = tl.maximum(m_all, mj)
+            total = tl.zeros([BLOCK_M], tl.float32)
+            o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+            o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+            acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
+            for j in range(active):
+                mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                lj = tl.load(
+                    ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
+                )
+                wj = tl.exp2(mj - m_all)
+                total += wj * lj
+                aj = acc + j * BLOCK_M * 2 * BLOCK_H
+                a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
+                a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+                o1 += wj[:, None] * a1
+                o2 += wj[:, None] * a2
+            tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=ok)
+            tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=ok)
+            tl.store(counter, 0)  # ready for the next step
 
 
 # decode_attention over FP8 pages widens keys and values to float16 for its products (True) or
@@ -487,6 +522,229 @@ def decode_attention(
         STORE_NEW=store_new,
         num_warps=num_warps,
         launch_pdl=use_pdl,
+    )
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr,
+    cache_ptr,
+    qo_indptr_ptr,
+    kv_indptr_ptr,
+    indices_ptr,
+    last_len_ptr,
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    count_ptr,
+    num_seqs,
+    q_stride_t,
+    q_stride_h,
+    o_stride_t,
+    o_stride_h,
+    page_stride,
+    kv_stride,
+    slot_stride,
+    scale_log2,
+    v_scale,
+    NUM_KV_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_GG: tl.constexpr,
+    QT: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    MM_F16: tl.constexpr,
+):
+    # One program per (query block r, kv head h, split s). A sequence's new tokens (its part
+    # of qo_indptr) are cut into blocks of QT; block r's QT tokens times the GROUP query heads
+    # of kv head h are the rows of its tiles ([QT * BLOCK_GG], token-major), so the block's
+    # keys and values are read once for all of them, where FlashInfer's prefill kernels give
+    # a block of a few tokens one CTA for its whole context. The context the block's last
+    # token sees is split SPLITS ways, each query masked to its own causal length, and merged
+    # as in the decode kernel. Queries come rotated and every key and value is in the cache
+    # already (rope_store_kv). Blocks past the last sequence's do nothing: the grid is sized
+    # for the most blocks a step of its tokens and sequences can have.
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    seq = r * 0 - 1
+    j = r * 0
+    before = r * 0  # blocks of the sequences before i
+    for i in range(num_seqs):
+        blocks = tl.cdiv(tl.load(qo_indptr_ptr + i + 1) - tl.load(qo_indptr_ptr + i), QT)
+        hit = (r >= before) & (r < before + blocks)
+        seq = tl.where(hit, i, seq)
+        j = tl.where(hit, r - before, j)
+        before += blocks
+    if seq >= 0:
+        q_first = tl.load(qo_indptr_ptr + seq)
+        q_len = tl.load(qo_indptr_ptr + seq + 1) - q_first
+        first_page = tl.load(kv_indptr_ptr + seq)
+        num_pages = tl.load(kv_indptr_ptr + seq + 1) - first_page
+        length = (num_pages - 1) * PAGE_SIZE + tl.load(last_len_ptr + seq)
+        t0 = j * QT  # the block's first token among the sequence's new ones
+        n_q = tl.minimum(QT, q_len - t0)
+        pos0 = length - q_len + t0  # that token's position
+        seen_len = pos0 + n_q  # keys [0, seen_len) are seen by the block's last token
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(seen_len, SPLITS), BLOCK_T) * BLOCK_T, MIN_CHUNK)
+        active = tl.cdiv(seen_len, chunk)
+        lo = s * chunk
+        hi = tl.minimum(lo + chunk, seen_len)
+        if lo < seen_len:
+            if MM_F16:
+                mm = tl.float16
+            else:
+                mm = out_ptr.dtype.element_ty
+            rows = tl.arange(0, QT * BLOCK_GG)
+            tok = rows // BLOCK_GG
+            g = rows % BLOCK_GG
+            rows_ok = (tok < n_q) & (g < GROUP)
+            e = tl.arange(0, BLOCK_H)
+            e_ok = e < HALF
+            ok = rows_ok[:, None] & e_ok[None, :]
+            t = tl.arange(0, BLOCK_T)
+            head_off = h * 2 * HALF
+            k1, k2, v1, v2 = _kv_block(
+                cache_ptr, indices_ptr, first_page, lo + t, hi, head_off, e, e_ok,
+                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
+            )  # fmt: skip
+            token = q_first + t0 + tok
+            head = h * GROUP + g
+            q_addr = q_ptr + (token * q_stride_t + head * q_stride_h)[:, None] + e[None, :]
+            q1 = tl.load(q_addr, mask=ok, other=0.0).to(tl.float32)
+            q2 = tl.load(q_addr + HALF, mask=ok, other=0.0).to(tl.float32)
+            if MM_F16:  # saturated: a query beyond float16's range would make every score nan
+                q1 = tl.clamp(q1, -65504.0, 65504.0)
+                q2 = tl.clamp(q2, -65504.0, 65504.0)
+            q1 = q1.to(mm)
+            q2 = q2.to(mm)
+            last_key = pos0 + tok  # each row's query sees keys up to its own position
+            m = tl.full([QT * BLOCK_GG], float("-inf"), tl.float32)
+            l_sum = tl.zeros([QT * BLOCK_GG], tl.float32)
+            acc1 = tl.zeros([QT * BLOCK_GG, BLOCK_H], tl.float32)
+            acc2 = tl.zeros([QT * BLOCK_GG, BLOCK_H], tl.float32)
+            for start in range(lo, hi, BLOCK_T):
+                # the next block's loads are issued before this block's arithmetic
+                nk1, nk2, nv1, nv2 = _kv_block(
+                    cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e,
+                    e_ok, page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
+                )  # fmt: skip
+                scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+                seen = ((start + t)[None, :] <= last_key[:, None]) & (start + t < hi)[None, :]
+                scores = tl.where(seen, scores * scale_log2, float("-inf"))
+                m_new = tl.maximum(m, tl.max(scores, 1))
+                # a row that has seen no key yet keeps an empty state (its max -inf)
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m - m_ref)
+                p = tl.exp2(scores - m_ref[:, None])
+                l_sum = l_sum * alpha + tl.sum(p, 1)
+                p = p.to(mm)
+                acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
+                acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
+                m = m_new
+                k1, k2, v1, v2 = nk1, nk2, nv1, nv2
+            out_addr = out_ptr + (token * o_stride_t + head * o_stride_h)[:, None] + e[None, :]
+            _finish_split(
+                acc1, acc2, m, l_sum, out_addr, rows, rows_ok, e, ok, s, active, part_acc_ptr,
+                part_ml_ptr, count_ptr + r * NUM_KV_HEADS + h, (r * NUM_KV_HEADS + h) * SPLITS,
+                v_scale, HALF, QT * BLOCK_GG, BLOCK_H,
+            )  # fmt: skip
+
+
+def prefix_blocks(tokens: int, seqs: int, q_tokens: int) -> int:
+    """The most query blocks prefix_attention can meet in a step of at most `tokens` new tokens
+    over at most `seqs` sequences: each sequence's last block may be partial."""
+    return tokens // q_tokens + seqs
+
+
+def prefix_workspace(blocks: int, kv_heads: int, group: int, head_dim: int, splits: int,
+                     q_tokens: int, device):  # fmt: skip
+    """(partial accumulators, partial max/sum, counters) for prefix_attention, as
+    decode_workspace's with a block's rows (q_tokens tokens of the group's heads) for a row's."""
+    rows = q_tokens * triton.next_power_of_2(group)
+    block_h = max(16, triton.next_power_of_2(head_dim // 2))
+    n = blocks * kv_heads * splits
+    part_acc = torch.empty(n * rows * 2 * block_h, dtype=torch.float32, device=device)
+    part_ml = torch.empty(n * 2 * rows, dtype=torch.float32, device=device)
+    counts = torch.zeros(blocks * kv_heads, dtype=torch.int32, device=device)
+    return part_acc, part_ml, counts
+
+
+def prefix_attention(
+    q,
+    cache,
+    qo_indptr,
+    kv_indptr,
+    indices,
+    last_len,
+    out,
+    workspace,
+    scale: float,
+    splits: int,
+    blocks: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
+    q_tokens: int = 16,
+    block_t: int = 64,
+    min_chunk: int = 128,
+    num_warps: int = 8,
+) -> None:
+    """Causal attention of a step's new tokens over their sequences' paged context, the
+    context split `splits` ways: for steps of a few new tokens over long contexts (a turn
+    after a cached prefix), where a kernel that walks each sequence's context in one CTA is
+    bound by that walk. q [T, hq, hd] rotated; sequence i's new tokens are q[qo_indptr[i]:
+    qo_indptr[i + 1]], the last of its context (the new tokens included, their k and v in the
+    cache already), whose pages are indices[kv_indptr[i]:kv_indptr[i + 1]] with last_len[i]
+    tokens in the last (int32; a sequence without new tokens is skipped). cache [P, 2,
+    page_size, hkv, hd], as the model's dtype or FP8 holding keys and values divided by
+    kv_scales. out [T, hq, hd]: rows of no sequence are left as they are. blocks from
+    prefix_blocks, workspace from prefix_workspace(blocks, ..., splits, q_tokens)."""
+    hq, hd = q.shape[1], q.shape[2]
+    hkv = cache.shape[3]
+    rows = q_tokens * triton.next_power_of_2(hq // hkv)
+    if q_tokens != triton.next_power_of_2(q_tokens) or rows < 16:
+        raise ValueError(
+            f"prefix_attention takes a power of two of tokens a block, at least 16 rows with "
+            f"the group's heads (got {q_tokens} tokens of {hq // hkv} heads)."
+        )
+    part_acc, part_ml, counts = workspace
+    fp8 = cache.dtype == torch.float8_e4m3fn
+    _prefix_attention_kernel[(blocks, hkv, splits)](
+        q,
+        cache,
+        qo_indptr,
+        kv_indptr,
+        indices,
+        last_len,
+        out,
+        part_acc,
+        part_ml,
+        counts,
+        qo_indptr.shape[0] - 1,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cache.stride(0),
+        cache.stride(1),
+        cache.stride(2),
+        scale * kv_scales[0] * 1.4426950408889634,
+        kv_scales[1],
+        NUM_KV_HEADS=hkv,
+        GROUP=hq // hkv,
+        BLOCK_GG=triton.next_power_of_2(hq // hkv),
+        QT=q_tokens,
+        HALF=hd // 2,
+        BLOCK_H=max(16, triton.next_power_of_2(hd // 2)),
+        PAGE_SIZE=cache.shape[2],
+        SPLITS=splits,
+        BLOCK_T=block_t,
+        MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
+        MM_F16=fp8 and FP8_PAGES_F16_PRODUCTS,
+        num_warps=num_warps,
     )
 
 

@@ -10,6 +10,7 @@ in bf16 on the hardware."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 
 import torch
@@ -18,7 +19,7 @@ from runtime import cuda_ops
 
 TOL = 1e-5  # float32 on both sides: only the order of the sums differs
 # bf16 rows and float16 products against float32 (about 3e-3 in the interpreter)
-BOUNDS = {"decode_attention_fp8": 1e-2}
+BOUNDS = {"decode_attention_fp8": 1e-2, "prefix_attention_fp8": 1e-2}
 
 
 def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -26,8 +27,9 @@ def rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def note(worst: dict, name: str, got: torch.Tensor, ref: torch.Tensor) -> None:
-    """Keep the worst relative error of check `name`."""
-    worst[name] = max(worst.get(name, 0.0), rel(got, ref))
+    """Keep the worst relative error of check `name` (inf for a nan, which max() would drop)."""
+    error = rel(got, ref)
+    worst[name] = max(worst.get(name, 0.0), float("inf") if math.isnan(error) else error)
 
 
 def check_products(worst: dict) -> None:
@@ -220,6 +222,83 @@ def check_decode_attention_fp8(worst: dict) -> None:
     note(worst, "decode_attention_fp8", out.float(), expected)
 
 
+# The prefix attention's sequences: (cached tokens, new tokens, page table); the second has no
+# new tokens in the step (an unused sequence of a captured graph), the first's new tokens fill
+# several query blocks and end one partly.
+PREFIX_SEQS = ((37, 21, [3, 7, 1, 5]), (9, 0, [0]), (5, 3, [2]), (70, 6, [4, 6, 8, 9, 10]))
+
+
+def _prefix_step(hq, hkv, hd, page, dtype=torch.float32):
+    """A step of PREFIX_SEQS' new tokens: (q [T, hq, hd], cache, qo_indptr, the paged context
+    (kv_indptr, indices, last_len))."""
+    lengths = [c + n for c, n, _ in PREFIX_SEQS]
+    tables = [t for *_, t in PREFIX_SEQS]
+    qo = torch.tensor([0, *torch.tensor([n for _, n, _ in PREFIX_SEQS]).cumsum(0).tolist()])
+    q = torch.randn(int(qo[-1]), hq, hd).to(dtype)
+    cache = torch.randn(11, 2, page, hkv, hd)
+    return q, cache, qo.to(torch.int32), _paged(lengths, tables, page)
+
+
+def _prefix_expected(q, cache, scales=(1.0, 1.0)) -> torch.Tensor:
+    """Each new token of PREFIX_SEQS attending, in float32, over its sequence's keys up to its
+    own position (_attention of one row each)."""
+    rows, lengths, tables, i = [], [], [], 0
+    for cached, new, table in PREFIX_SEQS:
+        for j in range(new):
+            rows.append(q[i + j].float())
+            lengths.append(cached + j + 1)
+            tables.append(table)
+        i += new
+    return _attention(torch.stack(rows), cache, lengths, tables, scales)
+
+
+def check_prefix_attention(worst: dict) -> None:
+    """The split-context attention of a step's new tokens (prefix_attention) against attention
+    written out in PyTorch: four sequences, one with no new tokens, blocks of 4 and 8 tokens,
+    the context in 1, 2 or 4 parts merged by the last program of a block; two query heads a KV
+    head and three (the group's rows padded to four)."""
+    from runtime import triton_kernels
+
+    hd, page = 16, 16
+    for hq, hkv in ((4, 2), (6, 2)):
+        q, cache, qo, paged = _prefix_step(hq, hkv, hd, page)
+        expected = _prefix_expected(q, cache)
+        for q_tokens in (8, 16):
+            for splits in (1, 2, 4):
+                tokens, seqs = q.shape[0], len(PREFIX_SEQS)
+                blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
+                workspace = triton_kernels.prefix_workspace(
+                    blocks, hkv, hq // hkv, hd, splits, q_tokens, "cpu"
+                )
+                out = torch.full((tokens + 3, hq, hd), 7.0)  # rows of no sequence kept
+                triton_kernels.prefix_attention(
+                    q, cache, qo, *paged, out, workspace, hd**-0.5, splits, blocks,
+                    q_tokens=q_tokens, block_t=16, min_chunk=16, num_warps=4,
+                )  # fmt: skip
+                note(worst, "prefix_attention", out[:tokens], expected)
+                worst["prefix_padding"] = max(
+                    worst.get("prefix_padding", 0.0), (out[tokens:] - 7.0).abs().max().item()
+                )
+
+
+def check_prefix_attention_fp8(worst: dict) -> None:
+    """prefix_attention over FP8 pages with scales, its products in float16: bf16 queries,
+    four query heads a KV head, against attention in float32 over the dequantized pages."""
+    from runtime import triton_kernels
+
+    hq, hkv, hd, page, scales, q_tokens, splits = 8, 2, 32, 16, (0.5, 0.25), 4, 4
+    q, cache, qo, paged = _prefix_step(hq, hkv, hd, page, torch.bfloat16)
+    cache = (cache * 2).to(torch.float8_e4m3fn)
+    blocks = triton_kernels.prefix_blocks(q.shape[0], len(PREFIX_SEQS), q_tokens)
+    workspace = triton_kernels.prefix_workspace(blocks, hkv, 4, hd, splits, q_tokens, "cpu")
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    triton_kernels.prefix_attention(
+        q, cache, qo, *paged, out, workspace, hd**-0.5, splits, blocks, kv_scales=scales,
+        q_tokens=q_tokens, block_t=16, min_chunk=16, num_warps=4,
+    )  # fmt: skip
+    note(worst, "prefix_attention_fp8", out.float(), _prefix_expected(q, cache, scales))
+
+
 def check_exact_tiles(worst: dict) -> None:
     """Inside cuda_ops.exact_rows() one row and a few take the few-rows kernel at one tile and
     ROWS, so rows together equal each row alone exactly (exact_tiles, 0 required; the padding
@@ -287,6 +366,8 @@ def main() -> int:
     check_quantized_inputs(worst)
     check_decode_attention(worst)
     check_decode_attention_fp8(worst)
+    check_prefix_attention(worst)
+    check_prefix_attention_fp8(worst)
     check_exact_tiles(worst)
     check_exact_attention(worst)
     print(json.dumps(worst))

@@ -236,6 +236,45 @@ def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path)
         assert "cvt.bf16.f16" not in ptx
 
 
+PREFIX_TYPES = {
+    **{p: "*i32" for p in ("qo_indptr_ptr", "kv_indptr_ptr", "indices_ptr", "last_len_ptr")},
+    **{p: "*bf16" for p in ("q_ptr", "cache_ptr", "out_ptr")},
+    **{p: "*fp32" for p in ("part_acc_ptr", "part_ml_ptr")},
+    "count_ptr": "*i32",
+    **{p: "i32" for p in ("num_seqs", "q_stride_t", "q_stride_h", "o_stride_t", "o_stride_h")},
+    **{p: "i32" for p in ("page_stride", "kv_stride", "slot_stride")},
+    **{p: "fp32" for p in ("scale_log2", "v_scale")},
+}
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path):
+    """The split-context attention of a step's new tokens at the 8B's heads (blocks of 16
+    tokens of 4 query heads: 64 rows a tile) over bf16 and FP8 pages: no register spilled to
+    local memory, and FP8 pages widened pairwise to float16 as in the decode kernel."""
+    constexprs = {
+        "NUM_KV_HEADS": 8,
+        "GROUP": 4,
+        "BLOCK_GG": 4,
+        "QT": 16,
+        "HALF": 64,
+        "BLOCK_H": 64,
+        "PAGE_SIZE": 16,
+        "SPLITS": 16,
+        "BLOCK_T": 64,
+        "MIN_CHUNK": 128,
+        "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
+    }
+    types = {**PREFIX_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
+    kernel = compile_sm90(triton_kernels._prefix_attention_kernel, types, constexprs, 8)
+    usage = resources(kernel, tmp_path)
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
+    if fp8:
+        assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]
+        assert "cvt.bf16.f16" not in kernel.asm["ptx"]
+
+
 def test_exact_rows_attention_writes_and_reads_as_one_row():
     """The exact verification rows' attention at the compiled level (tests/ptx_dataflow.py):
     rope_store_kv(kv_only) writes the same k and v trees into the cache as the fused kernel
