@@ -306,6 +306,21 @@ prefix)  # issue 18: the cached turn's attention (64 new tokens over 2,112: FA3 
   timeout -s INT 120 python3 -m pytest -q --tb=short -p no:cacheprovider \
     tests/gpu/test_prefix_attention.py >"$OUT/tests.txt" 2>&1
   grep -E "passed|failed|^E |FAILED" "$OUT/tests.txt" | head -12
+  # the cached turn's whole step (and TTFT(2,048)) with the split-context graphs up to 256
+  # tokens against the default (FA3), profiled; then the runner's GPU tests with them
+  for max_tokens in 0 256; do
+    [ "$SECONDS" -gt "${PREFIX_UNTIL:-330}" ] && break
+    date -u +"%T decode profile, split-context graphs up to $max_tokens tokens (${SECONDS} s)"
+    timeout 150 python3 -m benchmarks.decode --out "$OUT/decode-prefix$max_tokens" --batches 1 \
+      --prompts 2048 --hf-tokens 0 --profile --prefix-attention-max-tokens $max_tokens 2>&1 \
+      | grep -E -A1 "rror|TTFT ms" | tail -4
+    grep -h "cached:\|alone:" "$OUT/decode-prefix$max_tokens/profile.txt"
+  done
+  if [ "$SECONDS" -lt 450 ]; then
+    timeout -s INT 140 python3 -m pytest -q --tb=short -p no:cacheprovider \
+      tests/gpu/test_cuda_runner.py -k "split_context or prefill_graphs" >"$OUT/runner.txt" 2>&1
+    grep -E "passed|failed|^E |FAILED" "$OUT/runner.txt" | head -12
+  fi
   ;;
 kv8)  # issue 20: decode attention over FP8 pages, FlashInfer's CUDA-core kernel against its
   # tensor-core one (bf16 pages beside them), then the FP8 weights over FP8 pages with each

@@ -26,6 +26,11 @@ calls (the CPU path's ReferenceAttention has the same one).
   padding rows belong to no sequence, so attention neither reads nor writes them. FlashInfer
   sizes its graph-mode plan (the grid and its work lists) from the capture-time plan, which
   has the bucket's full token count, so every later plan of at most that many rows fits.
+- PrefixGraphAttention: the prefill graphs' variant for steps of a few sequences over long
+  contexts (a turn after a cached prefix), through Orbit's split-context kernel
+  (triton_kernels.prefix_attention), which reads each part of a context once for a block of
+  new tokens and splits the context over the SMs; nothing planned on the host. Off unless
+  CudaRunnerOptions.prefix_attention_max_tokens says which buckets get it.
 - PrefillAttention: eager, planned per step, the same kernels: the start-up profile and the
   tests' unpadded reference (CudaGraphRunner.step_eager).
 
@@ -275,6 +280,83 @@ class PrefillGraphAttention:
             q, k, v, cos, sin, cache, self.write_pages, self.write_offsets, self.kv.scales(layer)
         )
         return self.wrapper.run(q, cache, **_scales(self.kv, layer))
+
+
+class PrefixGraphAttention:
+    """Causal attention of a step's new tokens over their sequences' cached context through
+    Orbit's split-context kernel (triton_kernels.prefix_attention), captured: the prefill
+    graphs' variant for steps of a few sequences over long contexts, such as a turn after a
+    cached prefix, where FlashInfer's prefill walks each head's context in one CTA
+    (CudaRunnerOptions.prefix_attention_max_tokens). It takes the same plan as
+    PrefillGraphAttention, for `tokens` rows over `batch` sequences, and only copies it to the
+    device: each program of the kernel finds its own sequence and block."""
+
+    Q_TOKENS = 16  # new tokens a program: 64 rows with the 8B's groups of four query heads
+
+    def __init__(
+        self,
+        kv: KVCache,
+        tokens: int,
+        batch: int,
+        max_pages_per_seq: int,
+        write_pages: torch.Tensor,
+        write_offsets: torch.Tensor,
+        scale: float,
+        num_q_heads: int,
+    ):
+        from runtime import triton_kernels
+
+        device = write_pages.device
+        s = kv.shape
+        self.kv, self.tokens, self.batch, self.scale = kv, tokens, batch, scale
+        self.write_pages, self.write_offsets = write_pages, write_offsets  # [tokens] int64 views
+        i32 = {"dtype": torch.int32, "device": device}
+        self.indices_buf = torch.zeros(batch * max_pages_per_seq, **i32)
+        self.qo_indptr_buf = torch.zeros(batch + 1, **i32)
+        self.kv_indptr_buf = torch.zeros(batch + 1, **i32)
+        self.last_len_buf = torch.ones(batch, **i32)
+        self.q_tokens = q_tokens = self.Q_TOKENS
+        self.blocks = triton_kernels.prefix_blocks(tokens, batch, q_tokens)
+        # split for a step of one sequence, the case this variant is replayed for
+        self.splits = triton_kernels.decode_splits(-(-tokens // q_tokens), s.kv_heads, device)
+        self.workspace = triton_kernels.prefix_workspace(
+            self.blocks, s.kv_heads, num_q_heads // s.kv_heads, s.head_dim, self.splits,
+            q_tokens, device,
+        )  # fmt: skip
+
+    def plan(
+        self,
+        qo_indptr: np.ndarray,
+        kv_indptr: np.ndarray,
+        last_len: np.ndarray,
+        num_indices: int,
+    ) -> None:
+        """Outside the graph, after the runner queued the page indices into indices_buf.
+        The copies are queued, not waited for (a blocking copy would wait for the step in
+        flight); from pageable memory CUDA stages them at once, so the arrays are free after."""
+        for buf, host in (
+            (self.qo_indptr_buf, qo_indptr),
+            (self.kv_indptr_buf, kv_indptr),
+            (self.last_len_buf, last_len),
+        ):
+            buf.copy_(torch.from_numpy(host), non_blocking=True)
+
+    def attend(self, layer: int, q, k, v, cos, sin) -> torch.Tensor:
+        """q [tokens, hq, hd]; k, v [tokens, hkv, hd]; cos, sin [tokens, hd]. Returns
+        [tokens, hq, hd], whose padding rows hold whatever the graph's memory held."""
+        from runtime import triton_kernels
+
+        cache, scales = self.kv.layers[layer], self.kv.scales(layer)
+        q = cuda_ops.rope_and_store_kv(
+            q, k, v, cos, sin, cache, self.write_pages, self.write_offsets, scales
+        )
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        triton_kernels.prefix_attention(
+            q, cache, self.qo_indptr_buf, self.kv_indptr_buf, self.indices_buf,
+            self.last_len_buf, out, self.workspace, self.scale, self.splits, self.blocks,
+            kv_scales=scales, q_tokens=self.q_tokens,
+        )  # fmt: skip
+        return out
 
 
 class PrefillAttention:

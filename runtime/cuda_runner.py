@@ -52,7 +52,9 @@ rows (token 0, position 0, KV into the padding page) belong to no sequence, and 
 fixed number of sequences, min(max_batch, bucket), is filled with empty ones
 (runtime/cuda_attention.py, PrefillGraphAttention). Where those graphs attend through FA3,
 a step with many decode rows beside its prompt chunks replays the bucket's second graph, which
-attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows). The graph ends at the final norm; the LM
+attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows); with prefix_attention_max_tokens
+set, a step of a few sequences over a long context replays a graph attending through Orbit's
+split-context kernel (PrefixGraphAttention). The graph ends at the final norm; the LM
 head then runs eagerly on the sampling rows only (one GEMM and, for TP > 1, one all-gather),
 so a graph need not carry max_batch rows of logits. A step beyond the package's per-step
 token budget or max batch raises BucketError.
@@ -77,6 +79,7 @@ from runtime.cuda_attention import (
     FusedDecodeAttention,
     PrefillAttention,
     PrefillGraphAttention,
+    PrefixGraphAttention,
 )
 from runtime.kv_cache import KVCache, KVCacheShape, page_dtype
 from runtime.kv_sizing import KVPoolPlan, plan_kv_pool
@@ -130,6 +133,16 @@ class CudaRunnerOptions:
     # 2026-12-06, `benchmarks.decode --mixed`, ms FA3 / FA2): 252 rows 77.5 / 59.3, 64 rows
     # 55.7 / 53.1, 32 rows 51.4 / 52.3; prompts alone are 1-5% faster through FA3. 0: off.
     mixed_fa2_min_rows: int = 48
+    # Token buckets of at most this many tokens also get a graph attending through Orbit's
+    # split-context kernel (PrefixGraphAttention), replayed for steps of at most
+    # prefix_attention_max_seqs sequences whose longest context reaches
+    # prefix_attention_min_context tokens: a turn after a cached prefix, whose few new tokens
+    # FlashInfer's FA3 prefill gives a few CTAs that each walk the whole context (1.13 ms of
+    # the 8B's 7.83 ms cached-turn step on an H100, 2026-12-06). 0: off (the default until it
+    # is measured: gpu_calls.sh prefix).
+    prefix_attention_max_tokens: int = 0
+    prefix_attention_max_seqs: int = 8
+    prefix_attention_min_context: int = 1024
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
     # (rank 0's draft model, ranks/drafting.py): the pool is sized as if its pages held both.
@@ -209,6 +222,9 @@ class CudaGraphRunner:
             for t in self.prefill_buckets
             if fa3 and least and min(capacities.max_batch, t) >= least
         )
+        self.prefix_buckets = tuple(
+            t for t in self.prefill_buckets if t <= options.prefix_attention_max_tokens
+        )
         self._alloc_static()
         reserve = self._profile() + options.reserve_margin_bytes
         num_wrappers = len(self.buckets) + len(self.prefill_buckets) + len(self.mixed_buckets) + 1
@@ -228,6 +244,8 @@ class CudaGraphRunner:
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_attn: dict[int, PrefillGraphAttention] = {}
         self._mixed_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._prefix_attn: dict[int, PrefixGraphAttention] = {}
+        self._prefix_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         log.info(
             "KV pool: %d pages of %d tokens (%.1f GiB)",
             self.kv_plan.num_pages,
@@ -313,19 +331,34 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_reserved()
         kinds = [(t, "") for t in self.prefill_buckets] + [(t, "fa2") for t in self.mixed_buckets]
-        for tokens, backend in sorted(kinds, reverse=True):
-            attn = PrefillGraphAttention(
-                self.kv,
-                tokens,
-                min(self.caps.max_batch, tokens),
-                self.caps.max_pages_per_seq,
-                self._workspace,
-                self._dev_i64[_PAGE, :tokens],
-                self._dev_i64[_SLOT, :tokens],
-                self.scale,
-                self.num_q_heads,
-                backend,
-            )
+        kinds += [(t, "prefix") for t in self.prefix_buckets]
+        for tokens, kind in sorted(kinds, reverse=True):
+            pages, slots = self._dev_i64[_PAGE, :tokens], self._dev_i64[_SLOT, :tokens]
+            batch = min(self.caps.max_batch, tokens)
+            if kind == "prefix":
+                attn = PrefixGraphAttention(
+                    self.kv,
+                    tokens,
+                    min(batch, self.options.prefix_attention_max_seqs),
+                    self.caps.max_pages_per_seq,
+                    pages,
+                    slots,
+                    self.scale,
+                    self.num_q_heads,
+                )
+            else:
+                attn = PrefillGraphAttention(
+                    self.kv,
+                    tokens,
+                    batch,
+                    self.caps.max_pages_per_seq,
+                    self._workspace,
+                    pages,
+                    slots,
+                    self.scale,
+                    self.num_q_heads,
+                    kind,
+                )
             # FlashInfer sizes its graph-mode plan from this first one, which must have all
             # `tokens` rows: sequences of at most max_seq_len tokens over the padding page.
             lengths = [
@@ -335,14 +368,14 @@ class CudaGraphRunner:
             dummy = [
                 SeqInput([0] * n, 0, [self.pad_page] * -(-n // self.page_size), False)
                 for n in lengths
-            ]
+            ][: attn.batch]
             self._plan_prefill_graph(dummy, tokens, attn)
             graph = self._capture(lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool)
-            attns, graphs = (
-                (self._mixed_attn, self._mixed_graphs)
-                if backend
-                else (self._prefill_attn, self._prefill_graphs)
-            )
+            attns, graphs = {
+                "": (self._prefill_attn, self._prefill_graphs),
+                "fa2": (self._mixed_attn, self._mixed_graphs),
+                "prefix": (self._prefix_attn, self._prefix_graphs),
+            }[kind]
             attns[tokens], graphs[tokens] = attn, graph
         exact_max = self._exact_max_bucket()
         for bucket in sorted(self.buckets, reverse=True):
@@ -540,11 +573,19 @@ class CudaGraphRunner:
         num_tokens = self._check_step(seqs)
         tokens = token_bucket(self.prefill_buckets, num_tokens)
         attns, graphs = self._prefill_attn, self._prefill_graphs
-        if tokens in self._mixed_graphs and self._mixed(seqs):
+        if tokens in self._prefix_graphs and self._long_context(seqs, self._prefix_attn[tokens]):
+            attns, graphs = self._prefix_attn, self._prefix_graphs
+        elif tokens in self._mixed_graphs and self._mixed(seqs):
             attns, graphs = self._mixed_attn, self._mixed_graphs
         num_sample = self._plan_prefill_graph(seqs, tokens, attns[tokens])
         graphs[tokens].replay()
         return self._sampled_logits(self._hidden, num_sample)
+
+    def _long_context(self, seqs: list[SeqInput], attn: PrefixGraphAttention) -> bool:
+        """Whether a step is few sequences over a long context, for the split-context graph
+        of its bucket (CudaRunnerOptions.prefix_attention_*)."""
+        longest = max(s.start_pos + len(s.token_ids) for s in seqs)
+        return len(seqs) <= attn.batch and longest >= self.options.prefix_attention_min_context
 
     def _mixed(self, seqs: list[SeqInput]) -> bool:
         """Whether a step carries enough one-token rows to take the FA2 graph of its bucket

@@ -204,6 +204,44 @@ def test_mixed_steps_through_the_fa2_graphs_match_the_eager_path(llama, report):
     report("mixed_fa2_graph_vs_eager", rel_err=worst)
 
 
+def test_steps_through_the_split_context_graphs_match_the_eager_path(llama, report):
+    """A runner whose buckets of up to 64 tokens also hold graphs attending through Orbit's
+    split-context kernel (prefix_attention_max_tokens), replayed for steps of at most 8
+    sequences whose longest context reaches 256 tokens: a turn after 300 cached tokens, a
+    verification row and a decode row beside it, and a short prompt that keeps FlashInfer's
+    graph all agree with the eager path within bf16 tolerance; replaying twice over a
+    scribbled padding page gives the same logits."""
+    _, spec, tensors, _, _ = llama
+    runner = models.cuda_runner(
+        spec, tensors, TPGroup(), prefix_attention_max_tokens=64, prefix_attention_min_context=256
+    )
+    assert runner.prefix_buckets == (16, 32, 64)
+    tables = steps.page_tables(8, 512)
+    prompts = random_prompts(spec.vocab_size, lengths=(300, 7, 40, 700), seed=17)
+    steps.prefill(runner, [prompts[0], prompts[3][:640]], [tables[0], tables[1]], chunk=256)
+    shapes = {
+        "a turn of 40 after 300 cached: split": [SeqInput(prompts[2], 300, tables[0], True)],
+        "two turns and a decode row: split": [
+            SeqInput(prompts[2][:20], 300, tables[0], True),
+            SeqInput(prompts[3][640:680], 640, tables[1], True, num_samples=4),
+            SeqInput([11], 0, tables[2], True),
+        ],
+        "a short prompt: FlashInfer": [SeqInput(prompts[1], 0, tables[3], True)],
+    }
+    worst = {}
+    for name, seqs in shapes.items():
+        tokens = next(t for t in runner.prefill_buckets if t >= sum(len(s.token_ids) for s in seqs))
+        assert runner._long_context(seqs, runner._prefix_attn[tokens]) == name.endswith("split")
+        eager = runner.step_eager(seqs).float().cpu()
+        graph = runner.step(seqs).float().cpu()
+        for layer in runner.kv.layers:
+            layer[runner.pad_page].normal_()
+        assert torch.equal(graph, runner.step(seqs).float().cpu()), name
+        worst[name] = steps.rel_error(graph, eager)
+        assert worst[name] <= BF16_REL_TOL, name
+    report("prefix_graph_vs_eager", rel_err=worst)
+
+
 @pytest.mark.parametrize("which", ["plain", "nccl"])
 def test_steady_state_allocates_no_gpu_memory(llama, report, which):
     """After warm-up, decode steps make no allocator call at all and prefill steps (a graph
