@@ -71,7 +71,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -295,6 +295,20 @@ fp8attn)  # issue 20: Orbit's fused decode attention over FP8 pages with float16
       | grep -E "speedup|\"(tokens_per_s|graph_replay_ms|ttft_ms)|rror" | tail -40
   done
   ;;
+short)  # with one short call: the two new kernels against FlashInfer where they decide (Orbit's
+  # decode attention over FP8 pages at 64 x 512, issue 20; the cached turn's split-context
+  # attention, issue 18), then FP8 weights and pages against bf16 at batch 64 with the fused
+  # graphs up to 64 rows
+  date -u +"%T kernels (${SECONDS} s)"
+  timeout 100 python3 -m benchmarks.kernels --out "$OUT/kernels-decode" --part decode \
+    --decode-kv fp8,bf16 --decode-cases 64x512,8x512 2>&1 | grep -E "^decode|rror"
+  timeout 100 python3 -m benchmarks.kernels --out "$OUT/kernels-prefix" --part prefix \
+    --prefix-cases 1x64x2112,4x64x2112,1x64x576 2>&1 | grep -E "^prefix|rror"
+  date -u +"%T fp8, fused decode up to 64 rows (${SECONDS} s)"
+  timeout 200 python3 -m benchmarks.fp8 --out "$OUT/fp8-fused64" --batches 64 --kv8 \
+    --fused-decode-max-bucket 64 2>&1 | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" \
+    | tail -30
+  ;;
 prefix)  # issue 18: the cached turn's attention (64 new tokens over 2,112: FA3 took 35 µs a
   # layer on an H100, 2026-12-06, one CTA walking each head's context), FlashInfer's prefill
   # against Orbit's split-context kernel (new, 2026-12-07), over bf16 and FP8 pages, then its
@@ -396,7 +410,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac
