@@ -302,12 +302,10 @@ class PrefixGraphAttention:
         write_pages: torch.Tensor,
         write_offsets: torch.Tensor,
         scale: float,
-        num_q_heads: int,
+        workspace: tuple[torch.Tensor, ...],
     ):
-        from runtime import triton_kernels
-
+        """workspace: from shared_workspace, with room for this graph's grid."""
         device = write_pages.device
-        s = kv.shape
         self.kv, self.tokens, self.batch, self.scale = kv, tokens, batch, scale
         self.write_pages, self.write_offsets = write_pages, write_offsets  # [tokens] int64 views
         i32 = {"dtype": torch.int32, "device": device}
@@ -315,14 +313,29 @@ class PrefixGraphAttention:
         self.qo_indptr_buf = torch.zeros(batch + 1, **i32)
         self.kv_indptr_buf = torch.zeros(batch + 1, **i32)
         self.last_len_buf = torch.ones(batch, **i32)
-        self.q_tokens = q_tokens = self.Q_TOKENS
-        self.blocks = triton_kernels.prefix_blocks(tokens, batch, q_tokens)
-        # split for a step of one sequence, the case this variant is replayed for
-        self.splits = triton_kernels.decode_splits(-(-tokens // q_tokens), s.kv_heads, device)
-        self.workspace = triton_kernels.prefix_workspace(
-            self.blocks, s.kv_heads, num_q_heads // s.kv_heads, s.head_dim, self.splits,
-            q_tokens, device,
-        )  # fmt: skip
+        self.blocks, self.splits = self.grid(tokens, batch, kv.shape.kv_heads, device)
+        self.workspace = workspace
+
+    @classmethod
+    def grid(cls, tokens: int, batch: int, kv_heads: int, device) -> tuple[int, int]:
+        """(query blocks, splits) of the kernel's grid in a graph of `tokens` rows over `batch`
+        sequences: blocks enough for any step that fits, the context split as for a step of
+        one sequence, the case this variant is replayed for."""
+        from runtime import triton_kernels
+
+        blocks = triton_kernels.prefix_blocks(tokens, batch, cls.Q_TOKENS)
+        return blocks, triton_kernels.decode_splits(-(-tokens // cls.Q_TOKENS), kv_heads, device)
+
+    @classmethod
+    def shared_workspace(cls, grids, kv_heads: int, group: int, head_dim: int, device):
+        """One workspace for every graph of this kind, which never run at once: room for the
+        partial states and counters of the largest of grids ((blocks, splits) pairs)."""
+        from runtime import triton_kernels
+
+        entries = max(blocks * splits for blocks, splits in grids)
+        return triton_kernels.prefix_workspace(
+            entries, kv_heads, group, head_dim, 1, cls.Q_TOKENS, device
+        )
 
     def plan(
         self,
@@ -354,7 +367,7 @@ class PrefixGraphAttention:
         triton_kernels.prefix_attention(
             q, cache, self.qo_indptr_buf, self.kv_indptr_buf, self.indices_buf,
             self.last_len_buf, out, self.workspace, self.scale, self.splits, self.blocks,
-            kv_scales=scales, q_tokens=self.q_tokens,
+            kv_scales=scales, q_tokens=self.Q_TOKENS,
         )  # fmt: skip
         return out
 

@@ -283,6 +283,21 @@ class CudaGraphRunner:
             (self.max_tokens, self.model.spec.hidden_size), dtype=self.dtype, device=dev
         )
         self._workspace = torch.zeros(self.options.workspace_bytes, dtype=torch.uint8, device=dev)
+        # the split-context graphs' partial states, before the pool is sized (tens of MB)
+        self._prefix_workspace = None
+        if self.prefix_buckets:
+            shape = self._kv_shape(1)
+            grids = [
+                PrefixGraphAttention.grid(t, self._prefix_batch(t), shape.kv_heads, dev)
+                for t in self.prefix_buckets
+            ]
+            self._prefix_workspace = PrefixGraphAttention.shared_workspace(
+                grids, shape.kv_heads, self.num_q_heads // shape.kv_heads, shape.head_dim, dev
+            )
+
+    def _prefix_batch(self, tokens: int) -> int:
+        """The sequences of the split-context graph of a token bucket."""
+        return min(self.caps.max_batch, tokens, self.options.prefix_attention_max_seqs)
 
     @torch.inference_mode()
     def _profile(self) -> int:
@@ -339,12 +354,12 @@ class CudaGraphRunner:
                 attn = PrefixGraphAttention(
                     self.kv,
                     tokens,
-                    min(batch, self.options.prefix_attention_max_seqs),
+                    self._prefix_batch(tokens),
                     self.caps.max_pages_per_seq,
                     pages,
                     slots,
                     self.scale,
-                    self.num_q_heads,
+                    self._prefix_workspace,
                 )
             else:
                 attn = PrefillGraphAttention(
