@@ -2,7 +2,8 @@
 PyTorch: the one-row GEMV with its fusions (norm, residual stream, SiLU-mul), the few-rows and
 split-K products (their indexing and masks: bias, strided rows, K not a multiple of the block,
 the split-K parts), RoPE with the paged KV write, SiLU-and-multiply, the FP8 products' input
-quantized where it is made, and the fused decode attention, without a GPU. Run as a script with TRITON_INTERPRET=1 set before Triton is imported
+quantized where it is made, the fused decode attention and the split-context attention of a
+step's new tokens, without a GPU. Run as a script with TRITON_INTERPRET=1 set before Triton is imported
 (tests/test_interpreted_kernels.py does); prints the worst relative error of each check as JSON
 and exits 1 on a failed check. The GPU tests (tests/gpu/test_gemv.py) check the same products
 in bf16 on the hardware."""
@@ -254,7 +255,7 @@ def _prefix_expected(q, cache, scales=(1.0, 1.0)) -> torch.Tensor:
 
 def check_prefix_attention(worst: dict) -> None:
     """The split-context attention of a step's new tokens (prefix_attention) against attention
-    written out in PyTorch: four sequences, one with no new tokens, blocks of 4 and 8 tokens,
+    written out in PyTorch: four sequences, one with no new tokens, blocks of 8 and 16 tokens,
     the context in 1, 2 or 4 parts merged by the last program of a block; two query heads a KV
     head and three (the group's rows padded to four)."""
     from runtime import triton_kernels

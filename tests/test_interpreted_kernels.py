@@ -1,6 +1,6 @@
 """Orbit's Triton kernels (the one-row GEMV with its fusions, the few-rows and split-K products,
 RoPE with the KV write, SiLU-mul, the FP8 products' quantized input, the fused decode
-attention) through Triton's interpreter on
+attention, the split-context attention of a step's new tokens) through Triton's interpreter on
 the CPU (tests/interpreted_kernels.py), so their logic is tested where CI runs: no GPU there."""
 
 from __future__ import annotations
