@@ -1,5 +1,6 @@
-"""Orbit's Triton GEMV, few-rows product and fused decode attention compiled for Hopper (sm90)
-on the CPU, with the compiler Triton ships (no GPU needed to compile): the variants the runner
+"""Orbit's Triton GEMV, few-rows product, fused decode attention and split-context attention
+compiled for Hopper (sm90) on the CPU, with the compiler Triton ships (no GPU needed to
+compile): the variants the runner
 captures must compile, the GEMV must not spill registers to local memory (a spilled variant
 is correct but slow), and the exact verification rows' attention must compute each row by
 the one-row kernel's dataflow (tests/ptx_dataflow.py). The interpreter tests
