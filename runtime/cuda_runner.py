@@ -383,7 +383,9 @@ class CudaGraphRunner:
             dummy = [
                 SeqInput([0] * n, 0, [self.pad_page] * -(-n // self.page_size), False)
                 for n in lengths
-            ][: attn.batch]
+            ]
+            if kind == "prefix":  # (plans nothing from it: as many sequences as it holds)
+                dummy = dummy[: attn.batch]
             self._plan_prefill_graph(dummy, tokens, attn)
             graph = self._capture(lambda t=tokens, a=attn: self._prefill_graph_forward(t, a), pool)
             attns, graphs = {
