@@ -12,7 +12,8 @@
 # With little device time for the copy-heavy run: carry [".gpu", ".gputok", ".gga", ".whl"]:
 # stage; carry [".ggb"]: stage; carry [".gpu", ".gputok", ".ggc", ".whl"]: copycap.
 # prefix (carry the kit as for one): issue 18's cached-turn attention, FlashInfer against
-# Orbit's split-context kernel, and its GPU test.
+# Orbit's split-context kernel, and its GPU test; short (the same): both new kernels where
+# they decide and FP8 batch 64 with the fused graphs, in one call of about five minutes.
 # tiles, profile, fp8profile, fp8 (carry the kit as for one): SmolLM2's few-rows tiles for the
 # exact graphs (issue 19), the 8B's decode profile (issue 18), the kernels of the 8B's batch-64
 # step with FP8 weights and with bf16, the FP8 tiles on this card (issue 20).
