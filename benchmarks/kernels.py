@@ -694,9 +694,7 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
     row["orbit"] = []
     for q_tokens, block_t, min_chunk, warps in PREFIX_CONFIGS:
         blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
-        # split as the runner splits (cuda_attention.PrefixGraphAttention.grid): for the step's
-        # blocks were it one sequence
-        splits = triton_kernels.decode_splits(-(-tokens // q_tokens), KV_HEADS, torch.device(dev))
+        splits = triton_kernels.prefix_splits(tokens, q_tokens, KV_HEADS, torch.device(dev))
         work = triton_kernels.prefix_workspace(
             blocks, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM, splits, q_tokens, dev
         )

@@ -324,7 +324,7 @@ class PrefixGraphAttention:
         from runtime import triton_kernels
 
         blocks = triton_kernels.prefix_blocks(tokens, batch, cls.Q_TOKENS)
-        return blocks, triton_kernels.decode_splits(-(-tokens // cls.Q_TOKENS), kv_heads, device)
+        return blocks, triton_kernels.prefix_splits(tokens, cls.Q_TOKENS, kv_heads, device)
 
     @classmethod
     def shared_workspace(cls, grids, kv_heads: int, group: int, head_dim: int, device):

@@ -324,16 +324,10 @@ def _decode_attention_kernel(
                 cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e, e_ok,
                 page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
             )  # fmt: skip
-            scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))  # [BLOCK_G, BLOCK_T]
-            scores = tl.where((start + t < hi)[None, :], scores * scale_log2, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(scores - m_new[:, None])
-            l_sum = l_sum * alpha + tl.sum(p, 1)
-            p = p.to(mm)
-            acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
-            m = m_new
+            m, l_sum, acc1, acc2 = _softmax_block(
+                q1, q2, k1, k2, v1, v2, (start + t < hi)[None, :], m, l_sum, acc1, acc2,
+                scale_log2, mm, False,
+            )  # fmt: skip
             k1, k2, v1, v2 = nk1, nk2, nv1, nv2
         out_addr = out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[:, None] * 2 * HALF + e[None, :]
         _finish_split(
@@ -341,6 +335,30 @@ def _decode_attention_kernel(
             part_ml_ptr, count_ptr + b * NUM_KV_HEADS + h, (b * NUM_KV_HEADS + h) * SPLITS,
             v_scale, HALF, BLOCK_G, BLOCK_H,
         )  # fmt: skip
+
+
+@triton.jit
+def _softmax_block(
+    q1, q2, k1, k2, v1, v2, seen, m, l_sum, acc1, acc2, scale_log2, mm, EMPTY_ROWS: tl.constexpr
+):  # fmt: skip
+    """One block of keys and values (halves [BLOCK_T, BLOCK_H]) into the rows' softmax state
+    (log2 domain: max m, sum l_sum, the output's halves acc1, acc2), the queries' halves q1, q2
+    as `mm`, the scores masked where `seen` is false. EMPTY_ROWS: a row may have seen no key
+    yet (its max -inf), whose state then stays empty rather than nan."""
+    scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
+    scores = tl.where(seen, scores * scale_log2, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    if EMPTY_ROWS:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
+    l_sum = l_sum * alpha + tl.sum(p, 1)
+    p = p.to(mm)
+    acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
+    acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
+    return m_new, l_sum, acc1, acc2
 
 
 @triton.jit
@@ -435,12 +453,17 @@ def _block_g(group: int) -> int:
 def decode_workspace(batch: int, kv_heads: int, group: int, head_dim: int, splits: int, device):
     """(partial accumulators, partial max/sum, counters) for decode_attention: float32 and a
     zeroed int32 counter per (row, kv head), allocated once and reused by every layer."""
-    block_g = _block_g(group)
+    return _split_workspace(batch * kv_heads, splits, _block_g(group), head_dim, device)
+
+
+def _split_workspace(slots: int, splits: int, rows: int, head_dim: int, device):
+    """Each split's softmax state for `slots` (program row, kv head) pairs of `rows` rows (as
+    _finish_split stores it), float32, and a zeroed int32 counter a slot."""
     block_h = max(16, triton.next_power_of_2(head_dim // 2))
-    rows = batch * kv_heads * splits
-    part_acc = torch.empty(rows * block_g * 2 * block_h, dtype=torch.float32, device=device)
-    part_ml = torch.empty(rows * 2 * block_g, dtype=torch.float32, device=device)
-    counts = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
+    states = slots * splits
+    part_acc = torch.empty(states * rows * 2 * block_h, dtype=torch.float32, device=device)
+    part_ml = torch.empty(states * 2 * rows, dtype=torch.float32, device=device)
+    counts = torch.zeros(slots, dtype=torch.int32, device=device)
     return part_acc, part_ml, counts
 
 
@@ -633,19 +656,10 @@ def _prefix_attention_kernel(
                     cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e,
                     e_ok, page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
                 )  # fmt: skip
-                scores = tl.dot(q1, tl.trans(k1)) + tl.dot(q2, tl.trans(k2))
                 seen = ((start + t)[None, :] <= last_key[:, None]) & (start + t < hi)[None, :]
-                scores = tl.where(seen, scores * scale_log2, float("-inf"))
-                m_new = tl.maximum(m, tl.max(scores, 1))
-                # a row that has seen no key yet keeps an empty state (its max -inf)
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m - m_ref)
-                p = tl.exp2(scores - m_ref[:, None])
-                l_sum = l_sum * alpha + tl.sum(p, 1)
-                p = p.to(mm)
-                acc1 = acc1 * alpha[:, None] + tl.dot(p, v1)
-                acc2 = acc2 * alpha[:, None] + tl.dot(p, v2)
-                m = m_new
+                m, l_sum, acc1, acc2 = _softmax_block(
+                    q1, q2, k1, k2, v1, v2, seen, m, l_sum, acc1, acc2, scale_log2, mm, True
+                )
                 k1, k2, v1, v2 = nk1, nk2, nv1, nv2
             out_addr = out_ptr + (token * o_stride_t + head * o_stride_h)[:, None] + e[None, :]
             _finish_split(
@@ -661,17 +675,18 @@ def prefix_blocks(tokens: int, seqs: int, q_tokens: int) -> int:
     return tokens // q_tokens + seqs
 
 
+def prefix_splits(tokens: int, q_tokens: int, kv_heads: int, device) -> int:
+    """prefix_attention's splits of the context for steps of up to `tokens` new tokens: as
+    decode_attention's for that many blocks, which a step of one sequence has."""
+    return decode_splits(triton.cdiv(tokens, q_tokens), kv_heads, device)
+
+
 def prefix_workspace(blocks: int, kv_heads: int, group: int, head_dim: int, splits: int,
                      q_tokens: int, device):  # fmt: skip
     """(partial accumulators, partial max/sum, counters) for prefix_attention, as
     decode_workspace's with a block's rows (q_tokens tokens of the group's heads) for a row's."""
     rows = q_tokens * triton.next_power_of_2(group)
-    block_h = max(16, triton.next_power_of_2(head_dim // 2))
-    n = blocks * kv_heads * splits
-    part_acc = torch.empty(n * rows * 2 * block_h, dtype=torch.float32, device=device)
-    part_ml = torch.empty(n * 2 * rows, dtype=torch.float32, device=device)
-    counts = torch.zeros(blocks * kv_heads, dtype=torch.int32, device=device)
-    return part_acc, part_ml, counts
+    return _split_workspace(blocks * kv_heads, splits, rows, head_dim, device)
 
 
 def prefix_attention(

@@ -74,7 +74,7 @@ def test_prefix_attention_matches_flashinfer(seqs, kv):
 
     q_tokens = 16
     blocks = triton_kernels.prefix_blocks(tokens, len(seqs), q_tokens)
-    splits = triton_kernels.decode_splits(blocks, HKV, q.device)
+    splits = triton_kernels.prefix_splits(tokens, q_tokens, HKV, q.device)
     work = triton_kernels.prefix_workspace(blocks, HKV, HQ // HKV, HD, splits, q_tokens, "cuda")
     out = torch.empty_like(q)
     for _ in range(2):  # twice: the merge counters must be back at zero after a step
