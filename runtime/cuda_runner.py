@@ -349,7 +349,6 @@ class CudaGraphRunner:
         kinds += [(t, "prefix") for t in self.prefix_buckets]
         for tokens, kind in sorted(kinds, reverse=True):
             pages, slots = self._dev_i64[_PAGE, :tokens], self._dev_i64[_SLOT, :tokens]
-            batch = min(self.caps.max_batch, tokens)
             if kind == "prefix":
                 attn = PrefixGraphAttention(
                     self.kv,
@@ -365,7 +364,7 @@ class CudaGraphRunner:
                 attn = PrefillGraphAttention(
                     self.kv,
                     tokens,
-                    batch,
+                    min(self.caps.max_batch, tokens),
                     self.caps.max_pages_per_seq,
                     self._workspace,
                     pages,
