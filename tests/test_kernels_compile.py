@@ -1,8 +1,8 @@
 """Orbit's Triton GEMV, few-rows product, fused decode attention and split-context attention
 compiled for Hopper (sm90) on the CPU, with the compiler Triton ships (no GPU needed to
-compile): the variants the runner
-captures must compile, the GEMV must not spill registers to local memory (a spilled variant
-is correct but slow), and the exact verification rows' attention must compute each row by
+compile): the variants the runner captures must compile, the GEMV and the attention kernels
+at the 8B's heads must not spill registers to local memory (a spilled variant is correct but
+slow), and the exact verification rows' attention must compute each row by
 the one-row kernel's dataflow (tests/ptx_dataflow.py). The interpreter tests
 (tests/test_interpreted_kernels.py) check what the kernels compute; these check that the
 compiled form exists, fits and keeps the exact rows' promise, which the interpreter cannot."""
@@ -229,6 +229,13 @@ def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path)
     further conversion to bf16 (a scalar conversion an element, which the bf16 products
     needed: 128 of them in the compiled kernel, 2026-12-07)."""
     kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8)
+    _unspilled_f16_widening(kernel, fp8, tmp_path)
+
+
+def _unspilled_f16_widening(kernel, fp8: bool, tmp_path: Path) -> None:
+    """No register of the compiled attention kernel spilled to local memory; over FP8 pages,
+    each pair of e4m3 values widened to float16 in one instruction and none converted on to
+    bf16."""
     usage = resources(kernel, tmp_path)
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
     if fp8:
@@ -269,11 +276,7 @@ def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path)
     }
     types = {**PREFIX_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     kernel = compile_sm90(triton_kernels._prefix_attention_kernel, types, constexprs, 8)
-    usage = resources(kernel, tmp_path)
-    assert usage["LOCAL"] == 0 and usage["STACK"] == 0, usage
-    if fp8:
-        assert "cvt.rn.f16x2.e4m3x2" in kernel.asm["ptx"]
-        assert "cvt.bf16.f16" not in kernel.asm["ptx"]
+    _unspilled_f16_widening(kernel, fp8, tmp_path)
 
 
 def test_exact_rows_attention_writes_and_reads_as_one_row():
