@@ -104,8 +104,9 @@ def parse_args(argv):
     p.add_argument(
         "--fused-decode-max-bucket",
         type=int,
-        default=8,
-        help="decode buckets attending through Orbit's fused kernel (0: FlashInfer's only)",
+        default=None,
+        help="decode buckets attending through Orbit's fused kernel (0: FlashInfer's only; "
+        "default: the runner's, CudaRunnerOptions)",
     )
     p.add_argument(
         "--cublas-few-rows",
@@ -284,7 +285,9 @@ def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=409
     t0 = time.perf_counter()
     options = CudaRunnerOptions(
         kv_fraction=args.kv_fraction,
-        fused_decode_max_bucket=args.fused_decode_max_bucket,
+        fused_decode_max_bucket=CudaRunnerOptions.fused_decode_max_bucket
+        if args.fused_decode_max_bucket is None
+        else args.fused_decode_max_bucket,
         exact_verify_max_bucket=getattr(args, "exact_verify_max_bucket", 0),
         kv_quant=kv_quant,
         mixed_fa2_min_rows=getattr(

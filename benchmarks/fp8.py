@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--kv-fraction", type=float, default=0.3)
-    p.add_argument("--fused-decode-max-bucket", type=int, default=8)
+    p.add_argument("--fused-decode-max-bucket", type=int, default=None)
     p.add_argument("--sweep", action="store_true", help="also the FP8 GEMV tile sweep")
     p.add_argument("--sweep-only", action="store_true")
     p.add_argument(

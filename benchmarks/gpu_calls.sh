@@ -244,6 +244,27 @@ fused)  # issues 16 and 20: Orbit's one-kernel decode attention against FlashInf
     bf16,fp8 --decode-cases 8x512,16x512,32x512,64x512,8x2048,16x2048,64x2048,64x4096 2>&1 \
     | grep -E "^decode|rror"
   ;;
+fusedrule)  # issues 16 and 20 (2026-12-07): the fused graphs for every decode bucket, and over
+  # FP8 pages while a step's rows hold at most 65,536 tokens (CudaRunnerOptions): the kernels
+  # where that rule decides, the GPU tests of the runner and of FP8 pages (both switches), then
+  # bf16, FP8 weights and FP8 pages at batch 64 and 256 with every bucket fused against up to
+  # 8 rows (the earlier default)
+  date -u +"%T kernels (${SECONDS} s)"
+  timeout 200 python3 -m benchmarks.kernels --out "$OUT/kernels" --part decode --decode-kv \
+    bf16,fp8 --decode-cases 16x2048,32x1024,32x2048,64x1024,64x1536,128x512,128x1024,256x256,256x1024 \
+    2>&1 | grep -E "^decode|rror"
+  date -u +"%T tests (${SECONDS} s)"
+  timeout -s INT 200 python3 -m pytest -q --tb=short -p no:cacheprovider \
+    tests/gpu/test_cuda_runner.py tests/gpu/test_kv_fp8.py >"$OUT/tests.txt" 2>&1
+  grep -E "passed|failed|^E |FAILED" "$OUT/tests.txt" | head -12
+  for bucket in 256 8; do
+    [ "$SECONDS" -gt "${FUSED_UNTIL:-420}" ] && break
+    date -u +"%T batch 64 and 256, fused decode up to $bucket rows (${SECONDS} s)"
+    timeout 170 python3 -m benchmarks.fp8 --out "$OUT/fp8-fused$bucket" --batches 64,256 \
+      --prompts 128 --kv8 --kv-fraction 0.5 --fused-decode-max-bucket $bucket 2>&1 \
+      | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -40
+  done
+  ;;
 coreab)  # issue 16: the same requests in process at 256 streams, the tree in .abold (carry it)
   # and then this one, the 8B with FP8 weights and KV: did the cut to a token bucket change
   # what HTTP is compared with?

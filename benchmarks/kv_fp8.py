@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--kv-fraction", type=float, default=0.9)
-    p.add_argument("--fused-decode-max-bucket", type=int, default=8)
+    p.add_argument("--fused-decode-max-bucket", type=int, default=None)
     args = p.parse_args(argv)
     from prepare.model_spec import model_spec_from_config
     from runtime.quant import KVQuant

@@ -510,7 +510,7 @@ def verify_part(args) -> dict:
         use_few_tiles(json.loads(args.few_tiles.read_text()))
     spec = model_spec_from_config(hf_config(0, args.shape), 1)
     tensors = random_shard(spec)
-    args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, 8
+    args.batches, args.kv_fraction, args.fused_decode_max_bucket = "256", 0.5, None
     runner, _ = build_runner(spec, tensors, args)
     for layer in runner.kv.layers:  # never time attention over zeros
         layer.normal_()

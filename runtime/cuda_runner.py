@@ -109,10 +109,16 @@ class CudaRunnerOptions:
     reserve_margin_bytes: int = 512 << 20  # kept free beyond the measured activation peaks
     # Decode buckets of at most this many rows also get a graph whose attention is Orbit's
     # one-kernel decode (FusedDecodeAttention), replayed while every row's context (the new
-    # token included) is at most fused_decode_max_context tokens; FlashInfer's kernels are
-    # faster beyond (H200, docs/performance.md). A max bucket of 0 turns it off.
-    fused_decode_max_bucket: int = 8
+    # token included) is at most fused_decode_max_context tokens (FlashInfer's kernels are
+    # faster beyond at 8 rows, H200) and, over FP8 pages, while the step's rows hold at most
+    # fused_decode_fp8_max_kv_tokens tokens in all: there the kernel widens every key to
+    # float16 and loses to FlashInfer as the rows' contexts grow (H100, 2026-12-07: 64 rows of
+    # 512 tokens 45.1 against 54.7 µs a layer, of 2,048 157.7 against 134.1; over bf16 pages
+    # it won at 8-256 rows and 512-4,096 tokens; docs/performance.md). A max bucket of 0
+    # turns it off.
+    fused_decode_max_bucket: int = 256
     fused_decode_max_context: int = 2048
+    fused_decode_fp8_max_kv_tokens: int = 65536
     # Decode buckets of at most this many rows also get an exact graph, replayed for one-token
     # steps and verification rows (speculative decoding) alike, which computes every row as
     # it would alone (cuda_ops.exact_rows: the few-rows kernel at one tile for 1 to 32 rows,
@@ -522,6 +528,9 @@ class CudaGraphRunner:
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
         short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
+        if short and self.options.kv_quant is not None:
+            kv_tokens = sum(s.start_pos + 1 for s in seqs)
+            short = kv_tokens <= self.options.fused_decode_fp8_max_kv_tokens
         if verification or self._exact:
             attns, graphs = self._exact, self._exact_graphs
         else:

@@ -104,18 +104,18 @@ def test_padding_never_changes_results(llama, report):
 
 
 def test_fused_decode_attention_matches_flashinfer(llama, report):
-    """Decode through the fused-attention graphs (the default for buckets of up to 8 rows at
-    these contexts) against a runner without them (FlashInfer's kernels), and against one that
+    """Decode through the fused-attention graphs (the default for every bucket at these
+    contexts) against a runner without them (FlashInfer's kernels), and against one that
     switches from the first to the second as the contexts pass fused_decode_max_context: the
-    same logits within bf16 tolerance at batch 1, 3 (bucket 4) and 8, over six steps."""
+    same logits within bf16 tolerance at batch 1, 3 (bucket 4), 8 and 16, over six steps."""
     _, spec, tensors, _, fused = llama
     flashinfer = models.cuda_runner(spec, tensors, TPGroup(), fused_decode_max_bucket=0)
-    lengths = [40 + 9 * i for i in range(8)]
+    lengths = [40 + 9 * i for i in range(16)]
     switching = models.cuda_runner(
         spec, tensors, TPGroup(), fused_decode_max_context=max(lengths) + 3
     )
     worst = 0.0
-    for batch in (1, 3, 8):
+    for batch in (1, 3, 8, 16):
         prompts = random_prompts(spec.vocab_size, lengths=lengths[:batch], seed=30 + batch)
         tables = steps.page_tables(batch, 512)
         results = [
