@@ -84,10 +84,10 @@ class FusedDecodeAttention:
         write_offsets: torch.Tensor,
         scale: float,
         num_q_heads: int,
+        workspace,
         exact: bool = False,
     ):
-        from runtime import triton_kernels
-
+        """workspace: from shared_workspace, with room for this bucket's splits."""
         device = write_pages.device
         s = kv.shape
         self.kv, self.bucket, self.scale = kv, bucket, scale
@@ -97,10 +97,25 @@ class FusedDecodeAttention:
         self.indices_buf = torch.zeros(bucket * max_pages_per_seq, dtype=torch.int32, device=device)
         self.last_len_buf = torch.ones(bucket, dtype=torch.int32, device=device)
         self.exact = exact
-        self.splits = triton_kernels.decode_splits(1 if exact else bucket, s.kv_heads, device)
-        self.workspace = triton_kernels.decode_workspace(
-            bucket, s.kv_heads, num_q_heads // s.kv_heads, s.head_dim, self.splits, device
-        )
+        self.splits = self.splits_for(bucket, s.kv_heads, device, exact)
+        self.workspace = workspace
+
+    @staticmethod
+    def splits_for(bucket: int, kv_heads: int, device, exact: bool = False) -> int:
+        from runtime import triton_kernels
+
+        return triton_kernels.decode_splits(1 if exact else bucket, kv_heads, device)
+
+    @staticmethod
+    def shared_workspace(grids, kv_heads: int, group: int, head_dim: int, device):
+        """One workspace for every fused and exact decode graph, which never run at once (each
+        graph's kernels leave its counters at zero): room for the partial states and counters of
+        the largest of grids ((bucket, splits) pairs). For the 8B's 21 buckets up to 256 rows
+        that is 17 MB, where one workspace a graph would take 168 MB."""
+        from runtime import triton_kernels
+
+        entries = max(bucket * splits for bucket, splits in grids)
+        return triton_kernels.decode_workspace(entries, kv_heads, group, head_dim, 1, device)
 
     def plan(self, indptr: np.ndarray, num_indices: int, last_page_len: np.ndarray) -> None:
         """Nothing to plan: the kernel reads the row lengths from the device buffers."""

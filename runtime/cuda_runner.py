@@ -289,16 +289,32 @@ class CudaGraphRunner:
             (self.max_tokens, self.model.spec.hidden_size), dtype=self.dtype, device=dev
         )
         self._workspace = torch.zeros(self.options.workspace_bytes, dtype=torch.uint8, device=dev)
+        # the fused and exact decode graphs' partial states, before the pool is sized
+        shape = self._kv_shape(1)
+        group = self.num_q_heads // shape.kv_heads
+        grids = [
+            (b, FusedDecodeAttention.splits_for(b, shape.kv_heads, dev, exact))
+            for exact, largest in (
+                (False, self.options.fused_decode_max_bucket),
+                (True, self.options.exact_verify_max_bucket),
+            )
+            for b in self.buckets
+            if b <= largest
+        ]
+        self._fused_workspace = None
+        if grids:
+            self._fused_workspace = FusedDecodeAttention.shared_workspace(
+                grids, shape.kv_heads, group, shape.head_dim, dev
+            )
         # the split-context graphs' partial states, before the pool is sized (tens of MB)
         self._prefix_workspace = None
         if self.prefix_buckets:
-            shape = self._kv_shape(1)
             grids = [
                 PrefixGraphAttention.grid(t, self._prefix_batch(t), shape.kv_heads, dev)
                 for t in self.prefix_buckets
             ]
             self._prefix_workspace = PrefixGraphAttention.shared_workspace(
-                grids, shape.kv_heads, self.num_q_heads // shape.kv_heads, shape.head_dim, dev
+                grids, shape.kv_heads, group, shape.head_dim, dev
             )
 
     def _prefix_batch(self, tokens: int) -> int:
@@ -417,13 +433,28 @@ class CudaGraphRunner:
             self._graphs[bucket] = self._capture_decode(bucket, attn, pool)
             if bucket <= self.options.fused_decode_max_bucket:
                 fused = FusedDecodeAttention(
-                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads
+                    self.kv,
+                    bucket,
+                    max_pages,
+                    pages,
+                    slots,
+                    self.scale,
+                    self.num_q_heads,
+                    self._fused_workspace,
                 )
                 self._fused[bucket] = fused
                 self._fused_graphs[bucket] = self._capture_decode(bucket, fused, pool)
             if bucket <= exact_max:
                 exact = FusedDecodeAttention(
-                    self.kv, bucket, max_pages, pages, slots, self.scale, self.num_q_heads, True
+                    self.kv,
+                    bucket,
+                    max_pages,
+                    pages,
+                    slots,
+                    self.scale,
+                    self.num_q_heads,
+                    self._fused_workspace,
+                    exact=True,
                 )
                 self._exact[bucket] = exact
                 with cuda_ops.exact_rows():
