@@ -340,7 +340,7 @@ def measure_decode(runner, spec, tensors, batch: int, args, bw: float, flops: fl
         one(args.context + 8 + s)
     loop_s = (time.perf_counter() - t0) / args.steps
     bucket = next(b for b in runner.buckets if b >= batch)
-    graph_s = median_ms(runner.decode_graphs[bucket].replay, 50) / 1e3
+    graph_s = median_ms(runner.last_decode_graph(bucket).replay, 50) / 1e3
     avg_ctx = args.context + 8 + args.steps / 2
     mem_bytes = (
         weight_bytes(tensors)
@@ -408,7 +408,7 @@ def decode_graph_profiles(runner, batches: str) -> list[str]:
     for bucket in buckets:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                runner.decode_graphs[bucket].replay()
+                runner.last_decode_graph(bucket).replay()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
         parts.append(f"decode graph, bucket {bucket}, 5 replays\n{table}")

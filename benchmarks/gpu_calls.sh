@@ -265,6 +265,20 @@ fusedrule)  # issues 16 and 20 (2026-12-07): the fused graphs for every decode b
       | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -40
   done
   ;;
+fusedcheck)  # after fusedrule (2026-12-07): the runner's and FP8 pages' GPU tests and the exact
+  # graphs through orbit serve (the fused and exact graphs now share one workspace; over FP8
+  # pages the fused graph also stops at 768 tokens), then issue 16's bf16 8B through HTTP, in
+  # process and ranks-only at 64 and 256 streams with the fused graphs for every bucket
+  date -u +"%T tests (${SECONDS} s)"
+  timeout -s INT 170 python3 -m pytest -q --tb=short -p no:cacheprovider \
+    tests/gpu/test_cuda_runner.py tests/gpu/test_kv_fp8.py tests/gpu/test_serve_cuda.py \
+    -k "not smollm2 and not draft" >"$OUT/tests.txt" 2>&1
+  grep -E "passed|failed|^E |FAILED" "$OUT/tests.txt" | head -12
+  pkill -f " -m ranks " || true
+  date -u +"%T bf16 through HTTP, in process, ranks-only (${SECONDS} s)"
+  PART=all LEVELS=64,256 REF_LEVELS=64,256 SWEEP_TIMEOUT=170 CORE_TIMEOUT=120 STEP_TIMEOUT=100 \
+    OUT=$OUT/bf16 bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines "|in-process|tok/s|tokens/s" 16
+  ;;
 coreab)  # issue 16: the same requests in process at 256 streams, the tree in .abold (carry it)
   # and then this one, the 8B with FP8 weights and KV: did the cut to a token bucket change
   # what HTTP is compared with?

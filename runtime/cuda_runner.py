@@ -110,14 +110,17 @@ class CudaRunnerOptions:
     # Decode buckets of at most this many rows also get a graph whose attention is Orbit's
     # one-kernel decode (FusedDecodeAttention), replayed while every row's context (the new
     # token included) is at most fused_decode_max_context tokens (FlashInfer's kernels are
-    # faster beyond at 8 rows, H200) and, over FP8 pages, while the step's rows hold at most
-    # fused_decode_fp8_max_kv_tokens tokens in all: there the kernel widens every key to
-    # float16 and loses to FlashInfer as the rows' contexts grow (H100, 2026-12-07: 64 rows of
-    # 512 tokens 45.1 against 54.7 µs a layer, of 2,048 157.7 against 134.1; over bf16 pages
-    # it won at 8-256 rows and 512-4,096 tokens; docs/performance.md). A max bucket of 0
-    # turns it off.
+    # faster beyond at 8 rows, H200) and, over FP8 pages, at most fused_decode_fp8_max_context
+    # with the step's rows holding at most fused_decode_fp8_max_kv_tokens tokens in all: there
+    # the kernel widens every key to float16 and loses to FlashInfer as contexts grow, the
+    # sooner the more rows (H100, 2026-12-07, µs a layer, fused against FlashInfer: 64 rows of
+    # 512 tokens 45.1 / 54.7, of 1,024 84.8 / 80.4; 128 of 512 87.6 / 95.2, of 1,024 163.7 /
+    # 146.9; 256 of 256 97.9 / 119.9, of 512 175.0 / 174.6; 16 of 512 14.8 / 20.8, of 2,048
+    # 49.7 / 44.6). Over bf16 pages it won or tied at 8-256 rows and 256-4,096 tokens
+    # (docs/performance.md). A max bucket of 0 turns it off.
     fused_decode_max_bucket: int = 256
     fused_decode_max_context: int = 2048
+    fused_decode_fp8_max_context: int = 768
     fused_decode_fp8_max_kv_tokens: int = 65536
     # Decode buckets of at most this many rows also get an exact graph, replayed for one-token
     # steps and verification rows (speculative decoding) alike, which computes every row as
@@ -246,6 +249,7 @@ class CudaGraphRunner:
         self._fused_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._exact: dict[int, FusedDecodeAttention] = {}
         self._exact_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._last_decode: dict[int, torch.cuda.CUDAGraph] = {}
         self._prefill_attn: dict[int, PrefillGraphAttention] = {}
         self._prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._mixed_attn: dict[int, PrefillGraphAttention] = {}
@@ -517,11 +521,10 @@ class CudaGraphRunner:
         launched before they reach the host."""
         self._fed[: tokens.shape[0]].copy_(tokens, non_blocking=True)
 
-    @property
-    def decode_graphs(self) -> dict[int, torch.cuda.CUDAGraph]:
-        """Bucket -> the graph a decode step of short contexts replays (the fused-attention
-        one where the bucket has it); benchmarks replay one alone to time the GPU side."""
-        return {**self._graphs, **self._fused_graphs}
+    def last_decode_graph(self, bucket: int) -> torch.cuda.CUDAGraph:
+        """The graph that the last decode step of this bucket replayed, over that step's inputs
+        still: benchmarks replay it alone to time the GPU side."""
+        return self._last_decode[bucket]
 
     # ---- steps --------------------------------------------------------------------------
 
@@ -558,20 +561,21 @@ class CudaGraphRunner:
                 f"decode batch of {len(seqs)} sequences exceeds the largest captured bucket "
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
-        short = max(s.start_pos + 1 for s in seqs) <= self.options.fused_decode_max_context
-        if short and self.options.kv_quant is not None:
+        opts, longest = self.options, max(s.start_pos + 1 for s in seqs)
+        short = longest <= opts.fused_decode_max_context
+        if opts.kv_quant is not None:
             kv_tokens = sum(s.start_pos + 1 for s in seqs)
-            short = kv_tokens <= self.options.fused_decode_fp8_max_kv_tokens
+            short = short and longest <= opts.fused_decode_fp8_max_context
+            short = short and kv_tokens <= opts.fused_decode_fp8_max_kv_tokens
         if verification or self._exact:
             attns, graphs = self._exact, self._exact_graphs
         else:
             attns, graphs = self._fused, self._fused_graphs
-        if short and bucket in attns:
-            self._plan_decode(seqs, bucket, attns[bucket])
-            graphs[bucket].replay()
-        else:
-            self._plan_decode(seqs, bucket, self._decode[bucket])
-            self._graphs[bucket].replay()
+        if not (short and bucket in attns):
+            attns, graphs = self._decode, self._graphs
+        self._plan_decode(seqs, bucket, attns[bucket])
+        graphs[bucket].replay()
+        self._last_decode[bucket] = graphs[bucket]
         if all(s.sample for s in seqs):
             return self._logits[: len(seqs)]
         rows = [i for i, s in enumerate(seqs) if s.sample]

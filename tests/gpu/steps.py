@@ -11,9 +11,10 @@ from runtime.runner import SeqInput
 MAX_PAGES_PER_SEQ = 64  # 1024 tokens of 16
 
 
-def page_tables(num_seqs: int, num_pages: int) -> list[list[int]]:
+def page_tables(num_seqs: int, num_pages: int, per_seq: int = MAX_PAGES_PER_SEQ) -> list[list[int]]:
     pages = list(range(num_pages))[::-1]
-    return [pages[i * MAX_PAGES_PER_SEQ : (i + 1) * MAX_PAGES_PER_SEQ] for i in range(num_seqs)]
+    assert num_seqs * per_seq <= num_pages, "the pool has too few pages for these tables"
+    return [pages[i * per_seq : (i + 1) * per_seq] for i in range(num_seqs)]
 
 
 def prefill(runner, prompts, tables, chunk: int = 64, budget: int = 256) -> list[torch.Tensor]:

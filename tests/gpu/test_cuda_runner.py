@@ -117,7 +117,7 @@ def test_fused_decode_attention_matches_flashinfer(llama, report):
     worst = 0.0
     for batch in (1, 3, 8, 16):
         prompts = random_prompts(spec.vocab_size, lengths=lengths[:batch], seed=30 + batch)
-        tables = steps.page_tables(batch, 512)
+        tables = steps.page_tables(batch, 512, per_seq=16)  # 256 tokens a sequence
         results = [
             steps.decode_run(runner, prompts, tables, spec.vocab_size, 6)
             for runner in (fused, flashinfer, switching)
