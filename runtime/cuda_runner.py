@@ -109,19 +109,17 @@ class CudaRunnerOptions:
     reserve_margin_bytes: int = 512 << 20  # kept free beyond the measured activation peaks
     # Decode buckets of at most this many rows also get a graph whose attention is Orbit's
     # one-kernel decode (FusedDecodeAttention), replayed while every row's context (the new
-    # token included) is at most fused_decode_max_context tokens (FlashInfer's kernels are
-    # faster beyond at 8 rows, H200) and, over FP8 pages, at most fused_decode_fp8_max_context
-    # with the step's rows holding at most fused_decode_fp8_max_kv_tokens tokens in all: there
-    # the kernel widens every key to float16 and loses to FlashInfer as contexts grow, the
-    # sooner the more rows (H100, 2026-12-07, µs a layer, fused against FlashInfer: 64 rows of
-    # 512 tokens 45.1 / 54.7, of 1,024 84.8 / 80.4; 128 of 512 87.6 / 95.2, of 1,024 163.7 /
-    # 146.9; 256 of 256 97.9 / 119.9, of 512 175.0 / 174.6; 16 of 512 14.8 / 20.8, of 2,048
-    # 49.7 / 44.6). Over bf16 pages it won or tied at 8-256 rows and 256-4,096 tokens
-    # (docs/performance.md). A max bucket of 0 turns it off.
-    fused_decode_max_bucket: int = 256
+    # token included) is at most fused_decode_max_context tokens, or over FP8 pages
+    # fused_decode_fp8_max_context; FlashInfer's kernels are faster beyond. Measured on an H100
+    # (2026-12-07, docs/performance.md): alone, the kernel won or tied at 8-256 rows of
+    # 256-4,096 tokens over bf16 pages, but in the 8B's whole step only up to 64 rows (graph
+    # replay 8.01 against 8.24 ms at 64 rows of 512 tokens, 15.34 against 15.13 at 256); over
+    # FP8 pages, which it widens to float16, it lost from 1,024 tokens at 16-64 rows (64 rows
+    # of 512 tokens 45.1 against 54.7 µs a layer, of 1,024 84.8 against 80.4). At 8 rows over
+    # bf16 pages FlashInfer wins beyond 2,048 (H200). A max bucket of 0 turns it off.
+    fused_decode_max_bucket: int = 64
     fused_decode_max_context: int = 2048
     fused_decode_fp8_max_context: int = 768
-    fused_decode_fp8_max_kv_tokens: int = 65536
     # Decode buckets of at most this many rows also get an exact graph, replayed for one-token
     # steps and verification rows (speculative decoding) alike, which computes every row as
     # it would alone (cuda_ops.exact_rows: the few-rows kernel at one tile for 1 to 32 rows,
@@ -561,12 +559,10 @@ class CudaGraphRunner:
                 f"decode batch of {len(seqs)} sequences exceeds the largest captured bucket "
                 f"({self.buckets[-1]}, the package's max_batch); the scheduler must split it."
             )
-        opts, longest = self.options, max(s.start_pos + 1 for s in seqs)
-        short = longest <= opts.fused_decode_max_context
-        if opts.kv_quant is not None:
-            kv_tokens = sum(s.start_pos + 1 for s in seqs)
-            short = short and longest <= opts.fused_decode_fp8_max_context
-            short = short and kv_tokens <= opts.fused_decode_fp8_max_kv_tokens
+        opts = self.options
+        fp8 = opts.kv_quant is not None
+        max_context = opts.fused_decode_fp8_max_context if fp8 else opts.fused_decode_max_context
+        short = max(s.start_pos + 1 for s in seqs) <= max_context
         if verification or self._exact:
             attns, graphs = self._exact, self._exact_graphs
         else:

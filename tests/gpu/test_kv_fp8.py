@@ -94,12 +94,11 @@ def test_model_over_fp8_pages_matches_reference(llama_tensors, report):
     fi_err = steps.rel_error(_stack(fi), _stack(want))
     report("fp8_kv_flashinfer_decode_vs_reference", rel_err=fi_err)
     assert fi_err <= FP8_KV_TOL, fi_err
-    # past fused_decode_fp8_max_kv_tokens (the step's rows' tokens in all) the same rows leave
-    # the fused graph: the three decode steps within it replay what the default runner
-    # replayed, bitwise, the three past it do not, and all stay within tolerance
-    budget = sum(lengths) + 3 * len(lengths)
+    # past fused_decode_fp8_max_context the same rows leave the fused graph: the three decode
+    # steps within it replay what the default runner replayed, bitwise, the three past it do
+    # not, and all stay within tolerance
     switching = models.cuda_runner(
-        spec, tensors, TPGroup(), kv_quant=quant, fused_decode_fp8_max_kv_tokens=budget
+        spec, tensors, TPGroup(), kv_quant=quant, fused_decode_fp8_max_context=max(lengths) + 3
     )
     sw, fused = _stack(steps.teacher_forced(switching, prompts, conts, tables)), _stack(got)
     assert torch.equal(sw[:, :4], fused[:, :4])
