@@ -135,6 +135,15 @@ class RequestRecord:
         return [k if k is not None else next(shares) for k in self.chunk_tokens]
 
 
+def level_salts(levels: list[int], index: int) -> range:
+    """The salts of level `index`'s requests, REQUESTS_PER_STREAM a stream, after every earlier
+    level's: a level that repeated an earlier level's prompts would have them served from the
+    prefix cache (the in-process reference did until 2026-12-07: at 64 then 256 streams it
+    computed 329k of the 393k tokens that HTTP computed)."""
+    first = REQUESTS_PER_STREAM * sum(levels[:index])
+    return range(first, first + REQUESTS_PER_STREAM * levels[index])
+
+
 def prompt_ids(num_tokens: int, salt: int, vocab_size: int) -> list[int]:
     """Deterministic ids in [1000, vocab_size), distinct per salt (no shared prefix to cache)."""
     return [1000 + (7919 * i + 104729 * salt) % (vocab_size - 1000) for i in range(num_tokens)]
@@ -525,10 +534,11 @@ def ranks_only_figures(args, levels: list[int]) -> dict[int, float]:
 def in_process_figures(args, levels: list[int]) -> dict[int, float]:
     """--in-process-core: the same requests submitted to an engine core in this process
     (benchmarks.step_overhead.in_process_levels), {concurrency: output tokens/s} measured as
-    the HTTP levels are: REQUESTS_PER_STREAM requests per stream, prefill included."""
+    the HTTP levels are: the same prompt ids, REQUESTS_PER_STREAM requests per stream, prefill
+    included."""
     from benchmarks import step_overhead
 
-    figures = asyncio.run(
+    levels_figures = asyncio.run(
         step_overhead.in_process_levels(
             package=args.package,
             device=args.device,
@@ -536,10 +546,10 @@ def in_process_figures(args, levels: list[int]) -> dict[int, float]:
             prompt_tokens=args.prompt_tokens,
             new_tokens=args.new_tokens,
             concurrencies=levels,
-            requests_per_stream=REQUESTS_PER_STREAM,
+            vocab_size=args.vocab_size,
         )
     )
-    return {int(c): float(v) for c, v in figures.items()}
+    return {int(c): float(f["tokens_per_s"]) for c, f in levels_figures.items()}
 
 
 def add_reference(report: dict, key: str, measure) -> None:
@@ -591,6 +601,7 @@ COUNTERS = (
     "orbit_prompt_gpu_seconds_total",
     "orbit_decode_steps_total",
     "orbit_prompt_step_bucket_tokens_total",
+    "orbit_prefix_cache_hit_tokens_total",
     *(f"{name}_{part}" for name in TTFT_PARTS.values() for part in ("sum", "count")),
 )
 
@@ -622,6 +633,9 @@ def step_figures(before: dict, after: dict, wall_s: float) -> dict:
     out = {}
     if "orbit_rank_wait_seconds_total" in d and wall_s:
         out["rank_wait_frac"] = round(d["orbit_rank_wait_seconds_total"] / wall_s, 4)
+    if "orbit_prefix_cache_hit_tokens_total" in d:
+        # 0 where every request's prompt is new, as the levels' are meant to be
+        out["cached_prompt_tokens"] = int(d["orbit_prefix_cache_hit_tokens_total"])
     steps = d.get("orbit_steps_total")
     if not steps:
         return out
@@ -711,7 +725,7 @@ def http_levels(args, levels: list[int], url: str, server_pid: int | None) -> tu
             print(f"frontend idle after {wait_quiet(server_pid)} s", file=sys.stderr, flush=True)
         results = []
         for concurrency in levels:
-            first_salt = REQUESTS_PER_STREAM * sum(levels[: len(results)])
+            first_salt = level_salts(levels, len(results)).start
             jobs = level_jobs(base, concurrency, num_procs, first_salt)
             results.append(measure_level(pool, jobs, gpu, server_pid, url, args.api_key))
             progress = {k: v for k, v in results[-1].items() if k != "frontend_cpu"}

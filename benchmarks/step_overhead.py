@@ -228,13 +228,15 @@ async def in_process_levels(
     prompt_tokens: int,
     new_tokens: int,
     concurrencies: list[int],
-    requests_per_stream: int = 2,
-) -> dict[int, float]:
-    """The same requests as benchmarks/serving_sweep.py's levels, submitted to the engine core
-    in this process (no HTTP, no tokenization or detokenization): at each concurrency C,
-    C x requests_per_stream requests of prompt_tokens distinct prompt tokens, at most C at a
-    time. Returns {C: output tokens/s} over the wall time of each level, prefill included."""
-    from benchmarks.serving_sweep import parse_counters, step_figures
+    vocab_size: int = 32000,
+) -> dict[int, dict]:
+    """The same requests as benchmarks/serving_sweep.py's levels (the same prompt ids, its
+    --vocab-size), submitted to the engine core in this process (no HTTP, no tokenization or
+    detokenization): at each concurrency C, C x REQUESTS_PER_STREAM requests, at most C at a
+    time, none repeating an earlier level's prompt. Returns {C: figures}: output tokens/s
+    ("tokens_per_s") over the wall time of each level, prefill included, and the level's step
+    figures as the sweep gives them through HTTP."""
+    from benchmarks.serving_sweep import level_salts, parse_counters, prompt_ids, step_figures
 
     pkg = open_package(package)
     if pkg.tp_size != tp:
@@ -247,10 +249,11 @@ async def in_process_levels(
         local_ranks(pkg, device, kv_pages) as link,
         running_engine(engine_config(pkg, overlap=True), link) as engine,
     ):
-        await token_times(engine, prompt(pkg, prompt_tokens), 4)  # warm-up
-        for level in concurrencies:
+        await token_times(engine, prompt_ids(prompt_tokens, 10**6, vocab_size), 4)  # warm-up
+        for index, level in enumerate(concurrencies):
             requests = [
-                prompt(pkg, prompt_tokens, salt=i + 1) for i in range(level * requests_per_stream)
+                prompt_ids(prompt_tokens, salt, vocab_size)
+                for salt in level_salts(concurrencies, index)
             ]
             gate = asyncio.Semaphore(level)
 
@@ -262,10 +265,11 @@ async def in_process_levels(
             t0 = time.perf_counter()
             tokens = sum(await asyncio.gather(*(one(ids) for ids in requests)))
             wall_s = time.perf_counter() - t0
-            out[level] = round(tokens / wall_s, 2)
             # the step figures the sweep gives each level through HTTP, from the same counters
             steps = step_figures(before, parse_counters(engine.metrics_text()), wall_s)
-            print(f"in-process concurrency {level}: {out[level]} tokens/s, {steps}", flush=True)
+            out[level] = {"tokens_per_s": round(tokens / wall_s, 2), **steps}
+            rate = out[level]["tokens_per_s"]
+            print(f"in-process concurrency {level}: {rate} tokens/s, {steps}", flush=True)
     return out
 
 

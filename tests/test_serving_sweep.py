@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -15,11 +16,15 @@ NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_checkpoints, package_cache):
-    pkg = package_cache(
+def tiny_package(tiny_checkpoints, package_cache):
+    return package_cache(
         tiny_checkpoints["llama"], 1, max_batch=8, kv_page_size=8, max_step_tokens=64
     )
-    with ServerProcess(pkg, "--kv-pages", "256") as server:
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_package):
+    with ServerProcess(tiny_package, "--kv-pages", "256") as server:
         yield server
 
 
@@ -43,6 +48,7 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
         # the core's steps in the level: each request's prompt (16 tokens, fewer where the
         # prefix cache served some) and a decode row for each output token but its last
         assert level["steps"] >= NEW_TOKENS
+        assert level["cached_prompt_tokens"] == 0  # no level repeats an earlier one's prompts
         computed = level["steps"] * level["tokens_per_step"]
         n = level["requests"]
         assert n * (NEW_TOKENS - 1) - 1 <= computed <= n * (16 + NEW_TOKENS) + 1
@@ -81,6 +87,24 @@ def test_sweep_report_adds_up(tiny_server, tmp_path):
     assert probe["failures"] == 0
     for key in ("ttft_ms", "openai_client_ttft_ms", "openai_client_text_ttft_ms"):
         assert 0 < probe[key]["p50"] <= probe[key]["p99"]
+
+
+def test_in_process_reference_repeats_no_prompt(tiny_package):
+    """The in-process reference submits the sweep's requests level by level, and no level's
+    prompts are an earlier level's, which the prefix cache would serve (they were until
+    2026-12-07, so its second level computed a quarter fewer tokens than HTTP's)."""
+    from benchmarks.step_overhead import in_process_levels
+
+    figures = asyncio.run(in_process_levels(tiny_package, "cpu", 1, 16, 4, [1, 2]))
+    assert list(figures) == [1, 2]
+    for level, f in figures.items():
+        assert f["tokens_per_s"] > 0
+        assert f["cached_prompt_tokens"] == 0, level
+        # every prompt computed: 2 x level requests of 16 tokens, and a decode row for each
+        # output token but its last
+        computed = f["steps"] * f["tokens_per_step"]
+        n = 2 * level
+        assert computed == pytest.approx(n * (16 + 4 - 1), abs=0.05 * f["steps"] + 1e-6)
 
 
 def test_exact_text_has_exactly_the_tokens_asked(tiny_server):
