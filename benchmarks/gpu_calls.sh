@@ -72,7 +72,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -281,6 +281,14 @@ fusedcheck)  # after fusedrule (2026-12-07): the runner's and FP8 pages' GPU tes
   PART=all LEVELS=64,256 REF_LEVELS=64,256 SWEEP_TIMEOUT=170 CORE_TIMEOUT=120 STEP_TIMEOUT=100 \
     OUT=$OUT/bf16 bash benchmarks/gpu_serving.sh 2>&1 | sweep_lines "|in-process|tok/s|tokens/s" 16
   ;;
+http256)  # issue 16 with little device time (about 200 s): 256 streams alone through HTTP, then
+  # the same requests in process, in one call (the bf16 8B unless PKG names another)
+  PART=http LEVELS=256 SWEEP_TIMEOUT=150 OUT=$OUT/http256 bash benchmarks/gpu_serving.sh 2>&1 \
+    | sweep_lines
+  pkill -f " -m ranks " || true
+  PART=core LEVELS=256 CORE_TIMEOUT=100 OUT=$OUT/http256 bash benchmarks/gpu_serving.sh 2>&1 \
+    | grep -E "in-process|rror"
+  ;;
 coreab)  # issue 16: the same requests in process at 256 streams, the tree in .abold (carry it)
   # and then this one, the 8B with FP8 weights and KV: did the cut to a token bucket change
   # what HTTP is compared with?
@@ -448,7 +456,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac
