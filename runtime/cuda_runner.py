@@ -433,31 +433,14 @@ class CudaGraphRunner:
             )
             self._decode[bucket] = attn
             self._graphs[bucket] = self._capture_decode(bucket, attn, pool)
+            fused_args = (self.kv, bucket, max_pages, pages, slots, self.scale)
+            fused_args += (self.num_q_heads, self._fused_workspace)
             if bucket <= self.options.fused_decode_max_bucket:
-                fused = FusedDecodeAttention(
-                    self.kv,
-                    bucket,
-                    max_pages,
-                    pages,
-                    slots,
-                    self.scale,
-                    self.num_q_heads,
-                    self._fused_workspace,
-                )
+                fused = FusedDecodeAttention(*fused_args)
                 self._fused[bucket] = fused
                 self._fused_graphs[bucket] = self._capture_decode(bucket, fused, pool)
             if bucket <= exact_max:
-                exact = FusedDecodeAttention(
-                    self.kv,
-                    bucket,
-                    max_pages,
-                    pages,
-                    slots,
-                    self.scale,
-                    self.num_q_heads,
-                    self._fused_workspace,
-                    exact=True,
-                )
+                exact = FusedDecodeAttention(*fused_args, exact=True)
                 self._exact[bucket] = exact
                 with cuda_ops.exact_rows():
                     self._exact_graphs[bucket] = self._capture_decode(bucket, exact, pool)
