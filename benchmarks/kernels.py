@@ -538,6 +538,8 @@ FUSED_CONFIGS = [  # (tokens per block, minimum tokens per split, warps) of deco
     (64, 256, 8),
     (32, 64, 8),
 ]
+# the tiles also timed with the page list read a block ahead (DECODE_PAGES_AHEAD)
+PAGES_AHEAD_CONFIGS = [(64, 128, 8), (64, 256, 8)]
 
 
 def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str = "bf16") -> dict:
@@ -598,11 +600,14 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     row["splits"], row["fused"] = splits, []
     # over FP8 pages the products run in float16 (the default) and, to compare, in bf16
     product_kinds = (True, False) if kv == "fp8" else (True,)
-    configs = [(f16, *c) for f16 in product_kinds for c in FUSED_CONFIGS]
+    configs = [(f16, *c, False) for f16 in product_kinds for c in FUSED_CONFIGS]
+    configs += [(True, *c, True) for c in PAGES_AHEAD_CONFIGS]
     default_products = triton_kernels.FP8_PAGES_F16_PRODUCTS
+    default_ahead = triton_kernels.DECODE_PAGES_AHEAD
     try:
-        for f16, block_t, min_chunk, warps in configs:
+        for f16, block_t, min_chunk, warps, ahead in configs:
             triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
+            triton_kernels.DECODE_PAGES_AHEAD = ahead
 
             def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
                 triton_kernels.decode_attention(
@@ -615,11 +620,11 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
             err = rel_err(out, ref)
             us = graph_us([lambda c=c: fused(c) for c in caches])
             products = "f16" if f16 and kv == "fp8" else "model dtype"
-            row["fused"].append(
-                {"tile": [block_t, min_chunk, warps], "products": products, "us": us, "err": err}
-            )
+            tile = [block_t, min_chunk, warps] + (["pages ahead"] if ahead else [])
+            row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
     finally:
         triton_kernels.FP8_PAGES_F16_PRODUCTS = default_products
+        triton_kernels.DECODE_PAGES_AHEAD = default_ahead
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":
         row["best_bf16_products"] = min(

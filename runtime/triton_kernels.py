@@ -163,8 +163,37 @@ def _kv_block(
     """One kv head's k and v halves [BLOCK_T, BLOCK_H] at a row's cached positions `pos`
     (those >= hi masked to 0), through the row's page list from indices[first_page], as
     DTYPE (FP8 pages widen exactly; their scales are applied by the caller)."""
+    page = _kv_pages(indices_ptr, first_page, pos, hi, PAGE_SIZE)
+    return _kv_at(
+        cache_ptr, page, pos, hi, head_off, e, e_ok, page_stride, kv_stride, slot_stride, HALF,
+        PAGE_SIZE, DTYPE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _kv_pages(indices_ptr, first_page, pos, hi, PAGE_SIZE: tl.constexpr):
+    """The pages of a row's cached positions `pos` (0 for those >= hi)."""
+    return tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=pos < hi, other=0)
+
+
+@triton.jit
+def _kv_at(
+    cache_ptr,
+    page,
+    pos,
+    hi,
+    head_off,
+    e,
+    e_ok,
+    page_stride,
+    kv_stride,
+    slot_stride,
+    HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    """_kv_block's loads, the positions' pages given."""
     ok = pos < hi
-    page = tl.load(indices_ptr + first_page + pos // PAGE_SIZE, mask=ok, other=0)
     base = cache_ptr + page.to(tl.int64) * page_stride + (pos % PAGE_SIZE) * slot_stride
     kv_ok = ok[:, None] & e_ok[None, :]
     addr = base[:, None] + head_off + e[None, :]
@@ -218,6 +247,7 @@ def _decode_attention_kernel(
     MM_F16: tl.constexpr,
     PDL: tl.constexpr,
     STORE_NEW: tl.constexpr,
+    PAGES_AHEAD: tl.constexpr,
 ):
     # FP8 pages (KV_FP8): keys and values are widened for the products, to float16 with
     # MM_F16 (one conversion instruction per pair, and every e4m3 value is exact in it; the
@@ -318,12 +348,25 @@ def _decode_attention_kernel(
         keep = tl.where(last, 1.0, 0.0)
         acc1 = keep * vn1.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
         acc2 = keep * vn2.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
+        if PAGES_AHEAD:
+            next_pages = _kv_pages(indices_ptr, first_page, lo + BLOCK_T + t, hi, PAGE_SIZE)
         for start in range(lo, hi, BLOCK_T):
-            # the next block's loads are issued before this block's arithmetic
-            nk1, nk2, nv1, nv2 = _kv_block(
-                cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e, e_ok,
-                page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
-            )  # fmt: skip
+            # the next block's loads are issued before this block's arithmetic; PAGES_AHEAD:
+            # with its pages read a block earlier still, so that they do not wait on the
+            # page list's load
+            if PAGES_AHEAD:
+                nk1, nk2, nv1, nv2 = _kv_at(
+                    cache_ptr, next_pages, start + BLOCK_T + t, hi, head_off, e, e_ok,
+                    page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
+                )  # fmt: skip
+                next_pages = _kv_pages(
+                    indices_ptr, first_page, start + 2 * BLOCK_T + t, hi, PAGE_SIZE
+                )
+            else:
+                nk1, nk2, nv1, nv2 = _kv_block(
+                    cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e,
+                    e_ok, page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
+                )  # fmt: skip
             m, l_sum, acc1, acc2 = _softmax_block(
                 q1, q2, k1, k2, v1, v2, (start + t < hi)[None, :], m, l_sum, acc1, acc2,
                 scale_log2, mm, False,
@@ -436,6 +479,11 @@ def _finish_split(
 # decode_attention over FP8 pages widens keys and values to float16 for its products (True) or
 # to the model's dtype: a switch for `benchmarks.kernels --part decode`, which times both.
 FP8_PAGES_F16_PRODUCTS = True
+# decode_attention reads the page list a block ahead of the keys and values (True), or just
+# before them: a switch for `benchmarks.kernels --part decode`, which times both (not yet on a
+# GPU: the FP8 pages' kernel at 64 rows takes twice its bytes' time, 2026-12-07, and its loop
+# is not software-pipelined, so the latency of two dependent loads a block may set it).
+DECODE_PAGES_AHEAD = False
 
 
 def decode_splits(batch: int, kv_heads: int, device) -> int:
@@ -543,6 +591,7 @@ def decode_attention(
         MM_F16=cache.dtype == torch.float8_e4m3fn and FP8_PAGES_F16_PRODUCTS,
         PDL=use_pdl,
         STORE_NEW=store_new,
+        PAGES_AHEAD=DECODE_PAGES_AHEAD,
         num_warps=num_warps,
         launch_pdl=use_pdl,
     )

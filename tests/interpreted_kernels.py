@@ -10,6 +10,8 @@ in bf16 on the hardware."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import math
 import sys
@@ -185,16 +187,29 @@ def check_decode_attention(worst: dict) -> None:
     expected_cache[pages, 1, offsets] = v
     scale = hd**-0.5
     expected = _attention(apply_rope(q, cos, sin), expected_cache, lengths, tables)
-    for splits in (1, 2, 4):
+    for splits, ahead in itertools.product((1, 2, 4), (False, True)):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
-        triton_kernels.decode_attention(
-            q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
-            torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
-            block_t=16, min_chunk=16, num_warps=4,
-        )  # fmt: skip
+        with _pages_ahead(ahead):
+            triton_kernels.decode_attention(
+                q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
+                torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
+                block_t=16, min_chunk=16, num_warps=4,
+            )  # fmt: skip
         note(worst, "decode_attention", out, expected)
         note(worst, "decode_kv_write", got_cache, expected_cache)
+
+
+@contextlib.contextmanager
+def _pages_ahead(on: bool):
+    """decode_attention reading each block's pages a block ahead (DECODE_PAGES_AHEAD) or not."""
+    from runtime import triton_kernels
+
+    saved, triton_kernels.DECODE_PAGES_AHEAD = triton_kernels.DECODE_PAGES_AHEAD, on
+    try:
+        yield
+    finally:
+        triton_kernels.DECODE_PAGES_AHEAD = saved
 
 
 def check_decode_attention_fp8(worst: dict) -> None:
@@ -211,16 +226,18 @@ def check_decode_attention_fp8(worst: dict) -> None:
     angles = torch.randn(batch, hd // 2)
     cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
     pages, offsets = _new_token_slots(lengths, tables, page)
-    out = torch.empty(batch, hq, hd, dtype=torch.bfloat16)
-    workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
-    triton_kernels.decode_attention(
-        q, k, v, cos, sin, cache, *_paged(lengths, tables, page), torch.tensor(pages),
-        torch.tensor(offsets), out, workspace, hd**-0.5, 2, kv_scales=scales, block_t=16,
-        min_chunk=16, num_warps=4,
-    )  # fmt: skip
-    q_rotated = apply_rope(q.float(), cos.float(), sin.float())
-    expected = _attention(q_rotated, cache, lengths, tables, scales)
-    note(worst, "decode_attention_fp8", out.float(), expected)
+    for ahead in (False, True):
+        got_cache, out = cache.clone(), torch.empty(batch, hq, hd, dtype=torch.bfloat16)
+        workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
+        with _pages_ahead(ahead):
+            triton_kernels.decode_attention(
+                q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
+                torch.tensor(pages), torch.tensor(offsets), out, workspace, hd**-0.5, 2,
+                kv_scales=scales, block_t=16, min_chunk=16, num_warps=4,
+            )  # fmt: skip
+        q_rotated = apply_rope(q.float(), cos.float(), sin.float())
+        expected = _attention(q_rotated, got_cache, lengths, tables, scales)
+        note(worst, "decode_attention_fp8", out.float(), expected)
 
 
 # The prefix attention's sequences: (cached tokens, new tokens, page table); the second has no

@@ -189,7 +189,13 @@ ROPE_TYPES = {
 }
 
 
-def _decode_attention(store_new: bool, heads=(3, 3, 32), splits: int = 32, fp8: bool = False):
+def _decode_attention(
+    store_new: bool,
+    heads=(3, 3, 32),
+    splits: int = 32,
+    fp8: bool = False,
+    pages_ahead: bool = triton_kernels.DECODE_PAGES_AHEAD,
+):
     """The kernel as FusedDecodeAttention launches it: by default with SmolLM2-135M's heads
     (9 query heads of 64 over 3 KV heads, heads = (KV heads, group, half the head size)) for
     one row, 32 splits; over bf16 pages, or FP8 ones with the products decode_attention
@@ -209,6 +215,7 @@ def _decode_attention(store_new: bool, heads=(3, 3, 32), splits: int = 32, fp8: 
         "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
         "PDL": True,
         "STORE_NEW": store_new,
+        "PAGES_AHEAD": pages_ahead,
     }
     types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     return compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
@@ -221,14 +228,16 @@ def test_decode_attention_compiles_for_hopper(store_new):
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+@pytest.mark.parametrize("pages_ahead", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path):
+def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, pages_ahead, tmp_path):
     """The 8B's heads (32 query heads of 128 over 8 KV heads) over bf16 and FP8 pages, as
-    decode_attention launches it for a batch of 64 rows: no register spilled to local memory,
-    and over FP8 pages each pair of e4m3 values widens to float16 in one instruction with no
-    further conversion to bf16 (a scalar conversion an element, which the bf16 products
-    needed: 128 of them in the compiled kernel, 2026-12-07)."""
-    kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8)
+    decode_attention launches it for a batch of 64 rows, with the page list read a block
+    ahead or not: no register spilled to local memory, and over FP8 pages each pair of e4m3
+    values widens to float16 in one instruction with no further conversion to bf16 (a scalar
+    conversion an element, which the bf16 products needed: 128 of them in the compiled
+    kernel, 2026-12-07)."""
+    kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8, pages_ahead=pages_ahead)
     _unspilled_f16_widening(kernel, fp8, tmp_path)
 
 
