@@ -640,6 +640,10 @@ PREFIX_CONFIGS = [  # (query tokens a block, tokens a key block, minimum tokens 
     (16, 32, 128, 8),
     (8, 64, 128, 8),
     (32, 64, 128, 8),
+    # fewer, longer splits: the last split merges the others' states one after another, 64
+    # rows each (256 tokens a split was the best of the five above, 2026-12-07)
+    (16, 64, 512, 8),
+    (16, 64, 1024, 8),
 ]
 
 
