@@ -184,25 +184,33 @@ async def _forge(port: int) -> None:
     rank 0's name, a token for sequence 1, and empty and junk frames."""
     ctx = zmq.asyncio.Context()
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, b"rank-0")
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://127.0.0.1:{port}")
-    forged = [
-        wire_pb2.FromRank(failure=wire_pb2.Failure(rank=0, message="forged")),
-        wire_pb2.FromRank(heartbeat=wire_pb2.Heartbeat(rank=1)),
-        wire_pb2.FromRank(
-            result=wire_pb2.StepResult(
-                step_id=1, rank=0, samples=[wire_pb2.Sample(seq_id=1, token_id=7)]
-            )
-        ),
-    ]
-    for msg in forged:
-        await sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
-    await sock.send(b"", flags=zmq.NOBLOCK)
-    await sock.send(b"junk", flags=zmq.NOBLOCK)
-    await asyncio.sleep(1.0)
-    sock.close()
-    ctx.term()
+    try:
+        sock.setsockopt(zmq.IDENTITY, b"rank-0")
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        forged = [
+            wire_pb2.FromRank(failure=wire_pb2.Failure(rank=0, message="forged")),
+            wire_pb2.FromRank(heartbeat=wire_pb2.Heartbeat(rank=1)),
+            wire_pb2.FromRank(
+                result=wire_pb2.StepResult(
+                    step_id=1, rank=0, samples=[wire_pb2.Sample(seq_id=1, token_id=7)]
+                )
+            ),
+        ]
+        frames = [msg.SerializeToString() for msg in forged] + [b"", b"junk"]
+        for frame in frames:
+            try:
+                await sock.send(frame, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                # The frontend refused the handshake before this frame left: ZeroMQ then drops
+                # the connection, and what is left has nowhere to go (so was not taken either).
+                break
+        await asyncio.sleep(1.0)
+    finally:
+        # Closed on every path: a context collected with a socket still open hangs the
+        # process that collects it (RankLink.close says why); here, a later test's.
+        sock.close(linger=0)
+        ctx.term()
 
 
 def test_a_local_process_without_the_keys_cannot_speak_for_a_rank(tp2_pkg):

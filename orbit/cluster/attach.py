@@ -150,9 +150,11 @@ class ClusterGenerations:
         return f"waiting for `orbit up {config}` to bring up a new group of ranks"
 
     async def stop(self, link: RankLink) -> None:
-        if link.failure:  # a TP group cannot lose a member: the survivors must go too
-            await link.shutdown("a rank failed; the TP group cannot continue")
-        link.close()  # a normal stop leaves the ranks running for the next serve --cluster
+        try:
+            if link.failure:  # a TP group cannot lose a member: the survivors must go too
+                await link.shutdown("a rank failed; the TP group cannot continue")
+        finally:
+            link.close()  # a normal stop leaves the ranks running for the next serve --cluster
 
     async def wait_for_next(self) -> None:
         target = await wait_for_new_bringup(self.target)

@@ -56,14 +56,18 @@ class ApiLink:
         self.engine, self.endpoint, self.core_metrics = engine, endpoint, core_metrics
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.sock.bind(endpoint)
+        self._tasks: list[asyncio.Task] = []
+        try:
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self.sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self.sock.bind(endpoint)
+        except BaseException:
+            self.close()  # nothing left open for the collector to hang on (RankLink.close)
+            raise
         self.sinks: dict[bytes, ApiServerSink] = {}
         self.dropped_messages = 0
-        self._tasks: list[asyncio.Task] = []
         self._sent_status: tuple[bool, bool] | None = None  # (ready, stopping) last sent
         self._sent_at = 0.0
         self._greeted_pids: set[int] = set()

@@ -51,12 +51,16 @@ class LocalGenerations:
 
     async def start(self) -> RankLink:
         link = RankLink(self.pkg.tp_size, self.keys, package_digest=self.pkg.digest)
-        link.start()
-        log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
-        self.ranks = LocalRanks(
-            self.pkg.root, self.pkg.tp_size, link.endpoint, log_dir, self.options, self.keys_dir
-        )
-        self.ranks.start()
+        try:
+            link.start()
+            log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix="orbit-ranks-"))
+            self.ranks = LocalRanks(
+                self.pkg.root, self.pkg.tp_size, link.endpoint, log_dir, self.options, self.keys_dir
+            )
+            self.ranks.start()
+        except BaseException:
+            link.close()  # an unclosed link hangs the process when collected (RankLink.close)
+            raise
         return link
 
     async def ready(self, link: RankLink) -> None:
@@ -98,15 +102,17 @@ class LocalGenerations:
 
     async def stop(self, link: RankLink) -> None:
         self._stop_start_watch()
-        if link.failure is not None:  # the group is broken: nobody waits on a hung rank
-            if isinstance(link.failure, _Silent):
-                self.ranks.kill([link.failure.rank])
-            await link.shutdown("a rank failed; the TP group cannot continue")
-            await asyncio.to_thread(self.ranks.stop, FAILED_GROUP_GRACE_S, FAILED_GROUP_GRACE_S)
-        else:
-            await link.shutdown("frontend stopping")
-            await asyncio.to_thread(self.ranks.stop)
-        link.close()
+        try:
+            if link.failure is not None:  # the group is broken: nobody waits on a hung rank
+                if isinstance(link.failure, _Silent):
+                    self.ranks.kill([link.failure.rank])
+                await link.shutdown("a rank failed; the TP group cannot continue")
+                await asyncio.to_thread(self.ranks.stop, FAILED_GROUP_GRACE_S, FAILED_GROUP_GRACE_S)
+            else:
+                await link.shutdown("frontend stopping")
+                await asyncio.to_thread(self.ranks.stop)
+        finally:
+            link.close()  # also when the stop is cancelled: see RankLink.close
 
     async def wait_for_next(self) -> None:
         await asyncio.sleep(self.pause_s)

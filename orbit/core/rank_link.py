@@ -69,23 +69,27 @@ class RankLink:
         require_curve()
         self.ctx = zmq.asyncio.Context()
         self.auth = AsyncioAuthenticator(self.ctx)
-        self.auth.start()
-        self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
         self.sock = self.ctx.socket(zmq.ROUTER)
-        secure_server(self.sock, curve)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if port:
-            self.sock.bind(f"tcp://{bind_host}:{port}")
-        else:
-            port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        self._reader: asyncio.Task | None = None
+        try:
+            self.auth.start()
+            self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
+            secure_server(self.sock, curve)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            if port:
+                self.sock.bind(f"tcp://{bind_host}:{port}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        except BaseException:
+            self.close()  # a port in use, say: see close for why nothing may be left open
+            raise
         self.endpoint = f"tcp://{bind_host}:{port}"
         self.ranks = [RankInfo(r) for r in range(tp_size)]
         self._all_ready = asyncio.Event()
         self._pending: dict[int, tuple[asyncio.Future, list[wire_pb2.StepResult | None]]] = {}
         self.failure: RankFailure | None = None
-        self._reader: asyncio.Task | None = None
         self.dropped_messages = 0  # malformed, unauthenticated or misattributed
         self.reported_failures: set[int] = set()  # ranks that sent a Failure
 
@@ -274,6 +278,10 @@ class RankLink:
                 pass  # that rank never connected or is gone
 
     def close(self) -> None:
+        """Every link must be closed. One dropped open hangs the process for good when the
+        garbage collector takes it: pyzmq's Context.__del__ closes the sockets it still knows
+        through weak references, which the collector clears first in a reference cycle, then
+        waits in term() for the socket it no longer sees."""
         if self._reader:
             self._reader.cancel()
         self.sock.close(linger=0)
