@@ -540,6 +540,8 @@ FUSED_CONFIGS = [  # (tokens per block, minimum tokens per split, warps) of deco
 ]
 # the tiles also timed with the page list read a block ahead (DECODE_PAGES_AHEAD)
 PAGES_AHEAD_CONFIGS = [(64, 128, 8), (64, 256, 8)]
+# the tiles also timed with the splits' states merged in one pass (SPLIT_MERGE_ONE_PASS)
+ONE_PASS_CONFIGS = [(64, 128, 8), (64, 64, 8)]
 
 
 def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str = "bf16") -> dict:
@@ -600,14 +602,17 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     row["splits"], row["fused"] = splits, []
     # over FP8 pages the products run in float16 (the default) and, to compare, in bf16
     product_kinds = (True, False) if kv == "fp8" else (True,)
-    configs = [(f16, *c, False) for f16 in product_kinds for c in FUSED_CONFIGS]
-    configs += [(True, *c, True) for c in PAGES_AHEAD_CONFIGS]
+    configs = [(f16, *c, False, False) for f16 in product_kinds for c in FUSED_CONFIGS]
+    configs += [(True, *c, True, False) for c in PAGES_AHEAD_CONFIGS]
+    configs += [(True, *c, False, True) for c in ONE_PASS_CONFIGS]
     default_products = triton_kernels.FP8_PAGES_F16_PRODUCTS
     default_ahead = triton_kernels.DECODE_PAGES_AHEAD
+    default_merge = triton_kernels.SPLIT_MERGE_ONE_PASS
     try:
-        for f16, block_t, min_chunk, warps, ahead in configs:
+        for f16, block_t, min_chunk, warps, ahead, one_pass in configs:
             triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
             triton_kernels.DECODE_PAGES_AHEAD = ahead
+            triton_kernels.SPLIT_MERGE_ONE_PASS = one_pass
 
             def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
                 triton_kernels.decode_attention(
@@ -621,10 +626,12 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
             us = graph_us([lambda c=c: fused(c) for c in caches])
             products = "f16" if f16 and kv == "fp8" else "model dtype"
             tile = [block_t, min_chunk, warps] + (["pages ahead"] if ahead else [])
+            tile += ["one-pass merge"] if one_pass else []
             row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
     finally:
         triton_kernels.FP8_PAGES_F16_PRODUCTS = default_products
         triton_kernels.DECODE_PAGES_AHEAD = default_ahead
+        triton_kernels.SPLIT_MERGE_ONE_PASS = default_merge
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":
         row["best_bf16_products"] = min(
@@ -645,6 +652,8 @@ PREFIX_CONFIGS = [  # (query tokens a block, tokens a key block, minimum tokens 
     (16, 64, 512, 8),
     (16, 64, 1024, 8),
 ]
+# the tiles also timed with the splits' states merged in one pass (SPLIT_MERGE_ONE_PASS)
+PREFIX_ONE_PASS_CONFIGS = [(16, 64, 128, 8), (16, 64, 256, 8), (16, 64, 512, 8)]
 
 
 def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16") -> dict:
@@ -701,7 +710,8 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
     dev_qo, dev_indptr, dev_last = qo.to(dev), indptr.to(dev), last.to(dev)
     out = torch.empty(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     row["orbit"] = []
-    for q_tokens, block_t, min_chunk, warps in PREFIX_CONFIGS:
+    configs = [(*c, False) for c in PREFIX_CONFIGS] + [(*c, True) for c in PREFIX_ONE_PASS_CONFIGS]
+    for q_tokens, block_t, min_chunk, warps, one_pass in configs:
         blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
         splits = triton_kernels.prefix_splits(tokens, q_tokens, KV_HEADS, torch.device(dev))
         work = triton_kernels.prefix_workspace(
@@ -715,15 +725,19 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
                 q_tokens=q_tokens, block_t=block_t, min_chunk=min_chunk, num_warps=warps,
             )  # fmt: skip
 
+        tile = [q_tokens, block_t, min_chunk, warps] + (["one-pass merge"] if one_pass else [])
+        default_merge = triton_kernels.SPLIT_MERGE_ONE_PASS
+        triton_kernels.SPLIT_MERGE_ONE_PASS = one_pass
         try:
             orbit(caches[0])
             err = rel_err(out, ref)
             us = graph_us([lambda c=c: orbit(c) for c in caches])
-            tile = [q_tokens, block_t, min_chunk, warps]
             row["orbit"].append({"tile": tile, "splits": splits, "us": us, "err": err})
         except Exception as e:  # a tile that does not compile or fit here is reported
             error = f"{type(e).__name__}: {str(e)[:300]}"
-            row["orbit"].append({"tile": [q_tokens, block_t, min_chunk, warps], "error": error})
+            row["orbit"].append({"tile": tile, "error": error})
+        finally:
+            triton_kernels.SPLIT_MERGE_ONE_PASS = default_merge
     timed = [r for r in row["orbit"] if "us" in r]
     row["best"] = min(timed, key=lambda r: r["us"]) if timed else None
     return row

@@ -248,6 +248,7 @@ def _decode_attention_kernel(
     PDL: tl.constexpr,
     STORE_NEW: tl.constexpr,
     PAGES_AHEAD: tl.constexpr,
+    ONE_PASS_MERGE: tl.constexpr,
 ):
     # FP8 pages (KV_FP8): keys and values are widened for the products, to float16 with
     # MM_F16 (one conversion instruction per pair, and every e4m3 value is exact in it; the
@@ -376,7 +377,7 @@ def _decode_attention_kernel(
         _finish_split(
             acc1, acc2, m, l_sum, out_addr, g, g_ok, e, q_ok, s, active, part_acc_ptr,
             part_ml_ptr, count_ptr + b * NUM_KV_HEADS + h, (b * NUM_KV_HEADS + h) * SPLITS,
-            v_scale, HALF, BLOCK_G, BLOCK_H,
+            v_scale, HALF, BLOCK_G, BLOCK_H, ONE_PASS_MERGE,
         )  # fmt: skip
 
 
@@ -425,13 +426,14 @@ def _finish_split(
     HALF: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    ONE_PASS: tl.constexpr,
 ):
     """Split s's softmax state (log2 domain: max m and sum l_sum [BLOCK_M], the output's halves
     acc1, acc2 [BLOCK_M, BLOCK_H]) to the output rows at out_addr (their first halves; the
     second halves HALF further). Alone (active == 1) it stores them; of several, it stores its
     state in the workspace's entry first + s, and the last split to finish (the acq_rel
-    counter) merges all, so there is no second kernel. Every row must have seen a key in one
-    split at least."""
+    counter) merges all, so there is no second kernel: in two passes over the splits or, with
+    ONE_PASS, in one. Every row must have seen a key in one split at least."""
     dtype = out_addr.dtype.element_ty
     if active == 1:
         tl.store(out_addr, (acc1 / l_sum[:, None] * v_scale).to(dtype), mask=ok)
@@ -451,29 +453,68 @@ def _finish_split(
             # The last split to finish merges all; .cg loads read L2, never an L1 line left
             # by an earlier step. (Loading every split's state at once measured slower.)
             ml = part_ml_ptr + first * 2 * BLOCK_M + rows
-            m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for j in range(active):
-                mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
-                m_all = tl.maximum(m_all, mj)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-            o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-            acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
-            for j in range(active):
-                mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
-                lj = tl.load(
-                    ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
-                )
-                wj = tl.exp2(mj - m_all)
-                total += wj * lj
-                aj = acc + j * BLOCK_M * 2 * BLOCK_H
-                a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
-                a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
-                o1 += wj[:, None] * a1
-                o2 += wj[:, None] * a2
+            if ONE_PASS:
+                acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
+                o1, o2, total = _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M, BLOCK_H)
+            else:
+                m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for j in range(active):
+                    mj = tl.load(
+                        ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
+                    )
+                    m_all = tl.maximum(m_all, mj)
+                total = tl.zeros([BLOCK_M], tl.float32)
+                o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+                o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+                acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
+                for j in range(active):
+                    mj = tl.load(
+                        ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
+                    )
+                    lj = tl.load(
+                        ml + j * 2 * BLOCK_M + BLOCK_M,
+                        mask=rows_ok,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
+                    wj = tl.exp2(mj - m_all)
+                    total += wj * lj
+                    aj = acc + j * BLOCK_M * 2 * BLOCK_H
+                    a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
+                    a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+                    o1 += wj[:, None] * a1
+                    o2 += wj[:, None] * a2
             tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=ok)
             tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=ok)
             tl.store(counter, 0)  # ready for the next step
+
+
+@triton.jit
+def _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The splits' outputs and sums (o1, o2 [BLOCK_M, BLOCK_H], total [BLOCK_M]) weighted to
+    their common max in one pass: what is merged so far is rescaled whenever a split's max is
+    higher, so each split costs one round trip to L2 where _finish_split's two passes cost
+    two."""
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    for j in range(active):
+        mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        lj = tl.load(ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        aj = acc + j * BLOCK_M * 2 * BLOCK_H
+        a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
+        a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_all, mj)
+        # a row that no split so far saw a key of (max -inf) stays empty, not nan
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_all - m_ref)
+        wj = tl.exp2(mj - m_ref)
+        total = total * alpha + wj * lj
+        o1 = o1 * alpha[:, None] + wj[:, None] * a1
+        o2 = o2 * alpha[:, None] + wj[:, None] * a2
+        m_all = m_new
+    return o1, o2, total
 
 
 # decode_attention over FP8 pages widens keys and values to float16 for its products (True) or
@@ -484,6 +525,11 @@ FP8_PAGES_F16_PRODUCTS = True
 # GPU: the FP8 pages' kernel at 64 rows takes twice its bytes' time, 2026-12-07, and its loop
 # is not software-pipelined, so the latency of two dependent loads a block may set it).
 DECODE_PAGES_AHEAD = False
+# decode_attention and prefix_attention merge the splits' states in one pass (True) or two: a
+# switch for `benchmarks.kernels`, which times both (not yet on a GPU: the split-context
+# kernel's 16 new tokens took 17.7 us where their bytes take 2.8, 2026-12-07, and its merge
+# is 2 x splits dependent loads in a row).
+SPLIT_MERGE_ONE_PASS = False
 
 
 def decode_splits(batch: int, kv_heads: int, device) -> int:
@@ -592,6 +638,7 @@ def decode_attention(
         PDL=use_pdl,
         STORE_NEW=store_new,
         PAGES_AHEAD=DECODE_PAGES_AHEAD,
+        ONE_PASS_MERGE=SPLIT_MERGE_ONE_PASS,
         num_warps=num_warps,
         launch_pdl=use_pdl,
     )
@@ -630,6 +677,7 @@ def _prefix_attention_kernel(
     BLOCK_T: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     MM_F16: tl.constexpr,
+    ONE_PASS_MERGE: tl.constexpr,
 ):
     # One program per (query block r, kv head h, split s). A sequence's new tokens (its part
     # of qo_indptr) are cut into blocks of QT; block r's QT tokens times the GROUP query heads
@@ -714,7 +762,7 @@ def _prefix_attention_kernel(
             _finish_split(
                 acc1, acc2, m, l_sum, out_addr, rows, rows_ok, e, ok, s, active, part_acc_ptr,
                 part_ml_ptr, count_ptr + r * NUM_KV_HEADS + h, (r * NUM_KV_HEADS + h) * SPLITS,
-                v_scale, HALF, QT * BLOCK_GG, BLOCK_H,
+                v_scale, HALF, QT * BLOCK_GG, BLOCK_H, ONE_PASS_MERGE,
             )  # fmt: skip
 
 
@@ -808,6 +856,7 @@ def prefix_attention(
         BLOCK_T=block_t,
         MIN_CHUNK=triton.cdiv(min_chunk, block_t) * block_t,
         MM_F16=fp8 and FP8_PAGES_F16_PRODUCTS,
+        ONE_PASS_MERGE=SPLIT_MERGE_ONE_PASS,
         num_warps=num_warps,
     )
 

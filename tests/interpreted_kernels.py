@@ -187,10 +187,15 @@ def check_decode_attention(worst: dict) -> None:
     expected_cache[pages, 1, offsets] = v
     scale = hd**-0.5
     expected = _attention(apply_rope(q, cos, sin), expected_cache, lengths, tables)
-    for splits, ahead in itertools.product((1, 2, 4), (False, True)):
+    # the page list read ahead or not at each split count; the one-pass merge where splits merge
+    cases = [(*c, False) for c in itertools.product((1, 2, 4), (False, True))]
+    for splits, ahead, one_pass in cases + [(2, False, True), (4, True, True)]:
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
-        with _pages_ahead(ahead):
+        with (
+            _switched("DECODE_PAGES_AHEAD", ahead),
+            _switched("SPLIT_MERGE_ONE_PASS", one_pass),
+        ):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
@@ -201,15 +206,17 @@ def check_decode_attention(worst: dict) -> None:
 
 
 @contextlib.contextmanager
-def _pages_ahead(on: bool):
-    """decode_attention reading each block's pages a block ahead (DECODE_PAGES_AHEAD) or not."""
+def _switched(name: str, on: bool):
+    """One of triton_kernels' variant switches (DECODE_PAGES_AHEAD, SPLIT_MERGE_ONE_PASS) set
+    to `on` for the block."""
     from runtime import triton_kernels
 
-    saved, triton_kernels.DECODE_PAGES_AHEAD = triton_kernels.DECODE_PAGES_AHEAD, on
+    saved = getattr(triton_kernels, name)
+    setattr(triton_kernels, name, on)
     try:
         yield
     finally:
-        triton_kernels.DECODE_PAGES_AHEAD = saved
+        setattr(triton_kernels, name, saved)
 
 
 def check_decode_attention_fp8(worst: dict) -> None:
@@ -229,7 +236,7 @@ def check_decode_attention_fp8(worst: dict) -> None:
     for ahead in (False, True):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd, dtype=torch.bfloat16)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
-        with _pages_ahead(ahead):
+        with _switched("DECODE_PAGES_AHEAD", ahead):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, hd**-0.5, 2,
@@ -273,8 +280,9 @@ def _prefix_expected(q, cache, scales=(1.0, 1.0)) -> torch.Tensor:
 def check_prefix_attention(worst: dict) -> None:
     """The split-context attention of a step's new tokens (prefix_attention) against attention
     written out in PyTorch: four sequences, one with no new tokens, blocks of 8 and 16 tokens,
-    the context in 1, 2 or 4 parts merged by the last program of a block; two query heads a KV
-    head and three (the group's rows padded to four)."""
+    the context in 1, 2 or 4 parts merged by the last program of a block (in two passes, and
+    in one: SPLIT_MERGE_ONE_PASS); two query heads a KV head and three (the group's rows
+    padded to four)."""
     from runtime import triton_kernels
 
     hd, page = 16, 16
@@ -282,17 +290,18 @@ def check_prefix_attention(worst: dict) -> None:
         q, cache, qo, paged = _prefix_step(hq, hkv, hd, page)
         expected = _prefix_expected(q, cache)
         for q_tokens in (8, 16):
-            for splits in (1, 2, 4):
+            for splits, one_pass in ((1, False), (2, False), (4, False), (2, True), (4, True)):
                 tokens, seqs = q.shape[0], len(PREFIX_SEQS)
                 blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
                 workspace = triton_kernels.prefix_workspace(
                     blocks, hkv, hq // hkv, hd, splits, q_tokens, "cpu"
                 )
                 out = torch.full((tokens + 3, hq, hd), 7.0)  # rows of no sequence kept
-                triton_kernels.prefix_attention(
-                    q, cache, qo, *paged, out, workspace, hd**-0.5, splits, blocks,
-                    q_tokens=q_tokens, block_t=16, min_chunk=16, num_warps=4,
-                )  # fmt: skip
+                with _switched("SPLIT_MERGE_ONE_PASS", one_pass):
+                    triton_kernels.prefix_attention(
+                        q, cache, qo, *paged, out, workspace, hd**-0.5, splits, blocks,
+                        q_tokens=q_tokens, block_t=16, min_chunk=16, num_warps=4,
+                    )  # fmt: skip
                 note(worst, "prefix_attention", out[:tokens], expected)
                 worst["prefix_padding"] = max(
                     worst.get("prefix_padding", 0.0), (out[tokens:] - 7.0).abs().max().item()

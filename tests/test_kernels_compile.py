@@ -195,6 +195,7 @@ def _decode_attention(
     splits: int = 32,
     fp8: bool = False,
     pages_ahead: bool = triton_kernels.DECODE_PAGES_AHEAD,
+    one_pass_merge: bool = triton_kernels.SPLIT_MERGE_ONE_PASS,
 ):
     """The kernel as FusedDecodeAttention launches it: by default with SmolLM2-135M's heads
     (9 query heads of 64 over 3 KV heads, heads = (KV heads, group, half the head size)) for
@@ -216,6 +217,7 @@ def _decode_attention(
         "PDL": True,
         "STORE_NEW": store_new,
         "PAGES_AHEAD": pages_ahead,
+        "ONE_PASS_MERGE": one_pass_merge,
     }
     types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     return compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
@@ -225,6 +227,14 @@ def _decode_attention(
 def test_decode_attention_compiles_for_hopper(store_new):
     """With the new token's KV write, and reading only (exact verification rows)."""
     assert _decode_attention(store_new).asm["cubin"]
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
+def test_decode_attention_with_the_one_pass_merge_compiles_without_spills(tmp_path):
+    """SPLIT_MERGE_ONE_PASS's merge (off by default, for benchmarks.kernels to time) at the
+    8B's heads over 32 splits: no register spilled."""
+    kernel = _decode_attention(True, heads=(8, 4, 64), one_pass_merge=True)
+    _unspilled_f16_widening(kernel, False, tmp_path)
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
@@ -265,11 +275,12 @@ PREFIX_TYPES = {
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
-@pytest.mark.parametrize("fp8", [False, True])
-def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path):
+@pytest.mark.parametrize(("fp8", "one_pass"), [(False, False), (True, False), (False, True)])
+def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, one_pass, tmp_path):
     """The split-context attention of a step's new tokens at the 8B's heads (blocks of 16
-    tokens of 4 query heads: 64 rows a tile) over bf16 and FP8 pages: no register spilled to
-    local memory, and FP8 pages widened pairwise to float16 as in the decode kernel."""
+    tokens of 4 query heads: 64 rows a tile) over bf16 and FP8 pages, and with the one-pass
+    merge (SPLIT_MERGE_ONE_PASS): no register spilled to local memory, and FP8 pages widened
+    pairwise to float16 as in the decode kernel."""
     constexprs = {
         "NUM_KV_HEADS": 8,
         "GROUP": 4,
@@ -282,6 +293,7 @@ def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, tmp_path)
         "BLOCK_T": 64,
         "MIN_CHUNK": 128,
         "MM_F16": fp8 and triton_kernels.FP8_PAGES_F16_PRODUCTS,
+        "ONE_PASS_MERGE": one_pass,
     }
     types = {**PREFIX_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     kernel = compile_sm90(triton_kernels._prefix_attention_kernel, types, constexprs, 8)
