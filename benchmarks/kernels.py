@@ -605,33 +605,25 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     configs = [(f16, *c, False, False) for f16 in product_kinds for c in FUSED_CONFIGS]
     configs += [(True, *c, True, False) for c in PAGES_AHEAD_CONFIGS]
     configs += [(True, *c, False, True) for c in ONE_PASS_CONFIGS]
-    default_products = triton_kernels.FP8_PAGES_F16_PRODUCTS
-    default_ahead = triton_kernels.DECODE_PAGES_AHEAD
-    default_merge = triton_kernels.SPLIT_MERGE_ONE_PASS
-    try:
-        for f16, block_t, min_chunk, warps, ahead, one_pass in configs:
-            triton_kernels.FP8_PAGES_F16_PRODUCTS = f16
-            triton_kernels.DECODE_PAGES_AHEAD = ahead
-            triton_kernels.SPLIT_MERGE_ONE_PASS = one_pass
+    for f16, block_t, min_chunk, warps, ahead, one_pass in configs:
 
-            def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
-                triton_kernels.decode_attention(
-                    q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
-                    write_offsets, out, work, scale, splits, block_t=block_t,
-                    min_chunk=min_chunk, num_warps=warps,
-                )  # fmt: skip
+        def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
+            triton_kernels.decode_attention(
+                q, k, v, cos, sin, c, dev_indptr, indices, dev_last, write_pages,
+                write_offsets, out, work, scale, splits, block_t=block_t,
+                min_chunk=min_chunk, num_warps=warps,
+            )  # fmt: skip
 
+        with triton_kernels.switched(
+            FP8_PAGES_F16_PRODUCTS=f16, DECODE_PAGES_AHEAD=ahead, SPLIT_MERGE_ONE_PASS=one_pass
+        ):
             fused(caches[0])
             err = rel_err(out, ref)
             us = graph_us([lambda c=c: fused(c) for c in caches])
-            products = "f16" if f16 and kv == "fp8" else "model dtype"
-            tile = [block_t, min_chunk, warps] + (["pages ahead"] if ahead else [])
-            tile += ["one-pass merge"] if one_pass else []
-            row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
-    finally:
-        triton_kernels.FP8_PAGES_F16_PRODUCTS = default_products
-        triton_kernels.DECODE_PAGES_AHEAD = default_ahead
-        triton_kernels.SPLIT_MERGE_ONE_PASS = default_merge
+        products = "f16" if f16 and kv == "fp8" else "model dtype"
+        tile = [block_t, min_chunk, warps] + (["pages ahead"] if ahead else [])
+        tile += ["one-pass merge"] if one_pass else []
+        row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":
         row["best_bf16_products"] = min(
@@ -726,18 +718,15 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
             )  # fmt: skip
 
         tile = [q_tokens, block_t, min_chunk, warps] + (["one-pass merge"] if one_pass else [])
-        default_merge = triton_kernels.SPLIT_MERGE_ONE_PASS
-        triton_kernels.SPLIT_MERGE_ONE_PASS = one_pass
         try:
-            orbit(caches[0])
-            err = rel_err(out, ref)
-            us = graph_us([lambda c=c: orbit(c) for c in caches])
+            with triton_kernels.switched(SPLIT_MERGE_ONE_PASS=one_pass):
+                orbit(caches[0])
+                err = rel_err(out, ref)
+                us = graph_us([lambda c=c: orbit(c) for c in caches])
             row["orbit"].append({"tile": tile, "splits": splits, "us": us, "err": err})
         except Exception as e:  # a tile that does not compile or fit here is reported
             error = f"{type(e).__name__}: {str(e)[:300]}"
             row["orbit"].append({"tile": tile, "error": error})
-        finally:
-            triton_kernels.SPLIT_MERGE_ONE_PASS = default_merge
     timed = [r for r in row["orbit"] if "us" in r]
     row["best"] = min(timed, key=lambda r: r["us"]) if timed else None
     return row

@@ -6,6 +6,7 @@ computes in float32 and rounds once to the output dtype.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -530,6 +531,20 @@ DECODE_PAGES_AHEAD = False
 # kernel's 16 new tokens took 17.7 us where their bytes take 2.8, 2026-12-07, and its merge
 # is 2 x splits dependent loads in a row).
 SPLIT_MERGE_ONE_PASS = False
+
+
+@contextlib.contextmanager
+def switched(**values: bool):
+    """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
+    SPLIT_MERGE_ONE_PASS=...) set for the block, for the benchmarks and checks that run both
+    variants; read at launch, so a graph captured inside keeps its variant."""
+    switches = globals()
+    saved = {name: switches[name] for name in values}
+    switches.update(values)
+    try:
+        yield
+    finally:
+        switches.update(saved)
 
 
 def decode_splits(batch: int, kv_heads: int, device) -> int:

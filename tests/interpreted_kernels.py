@@ -10,7 +10,6 @@ in bf16 on the hardware."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
 import math
@@ -192,10 +191,7 @@ def check_decode_attention(worst: dict) -> None:
     for splits, ahead, one_pass in cases + [(2, False, True), (4, True, True)]:
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
-        with (
-            _switched("DECODE_PAGES_AHEAD", ahead),
-            _switched("SPLIT_MERGE_ONE_PASS", one_pass),
-        ):
+        with triton_kernels.switched(DECODE_PAGES_AHEAD=ahead, SPLIT_MERGE_ONE_PASS=one_pass):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
@@ -203,20 +199,6 @@ def check_decode_attention(worst: dict) -> None:
             )  # fmt: skip
         note(worst, "decode_attention", out, expected)
         note(worst, "decode_kv_write", got_cache, expected_cache)
-
-
-@contextlib.contextmanager
-def _switched(name: str, on: bool):
-    """One of triton_kernels' variant switches (DECODE_PAGES_AHEAD, SPLIT_MERGE_ONE_PASS) set
-    to `on` for the block."""
-    from runtime import triton_kernels
-
-    saved = getattr(triton_kernels, name)
-    setattr(triton_kernels, name, on)
-    try:
-        yield
-    finally:
-        setattr(triton_kernels, name, saved)
 
 
 def check_decode_attention_fp8(worst: dict) -> None:
@@ -236,7 +218,7 @@ def check_decode_attention_fp8(worst: dict) -> None:
     for ahead in (False, True):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd, dtype=torch.bfloat16)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
-        with _switched("DECODE_PAGES_AHEAD", ahead):
+        with triton_kernels.switched(DECODE_PAGES_AHEAD=ahead):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, hd**-0.5, 2,
@@ -297,7 +279,7 @@ def check_prefix_attention(worst: dict) -> None:
                     blocks, hkv, hq // hkv, hd, splits, q_tokens, "cpu"
                 )
                 out = torch.full((tokens + 3, hq, hd), 7.0)  # rows of no sequence kept
-                with _switched("SPLIT_MERGE_ONE_PASS", one_pass):
+                with triton_kernels.switched(SPLIT_MERGE_ONE_PASS=one_pass):
                     triton_kernels.prefix_attention(
                         q, cache, qo, *paged, out, workspace, hd**-0.5, splits, blocks,
                         q_tokens=q_tokens, block_t=16, min_chunk=16, num_warps=4,
