@@ -72,7 +72,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -265,6 +265,29 @@ fusedrule)  # issues 16 and 20 (2026-12-07): the fused graphs for every decode b
       | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -40
   done
   ;;
+onepass)  # after fused and prefix (2026-12-07 15:12 UTC): the one-pass merge on in both
+  # kernels, the page list read ahead over FP8 pages, 512-token splits in the split-context
+  # graphs: the kernels' GPU tests, the cached turn's step with the split-context graphs up to
+  # 64 tokens against FA3, then fusedcheck's tests, then FP8 weights and pages at batch 64
+  pkill -f " -m ranks " || true
+  date -u +"%T kernel tests (${SECONDS} s)"
+  timeout -s INT 120 python3 -m pytest -q --tb=short -p no:cacheprovider \
+    tests/gpu/test_decode_attention.py tests/gpu/test_prefix_attention.py >"$OUT/kernels.txt" 2>&1
+  grep -E "passed|failed|^E |FAILED" "$OUT/kernels.txt" | head -12
+  for max_tokens in 0 64; do
+    date -u +"%T decode profile, split-context graphs up to $max_tokens tokens (${SECONDS} s)"
+    timeout 100 python3 -m benchmarks.decode --out "$OUT/decode-prefix$max_tokens" --batches 1 \
+      --prompts 2048 --hf-tokens 0 --profile --prefix-attention-max-tokens $max_tokens 2>&1 \
+      | grep -E -A1 "rror|TTFT ms" | tail -4
+    grep -h "cached:\|alone:" "$OUT/decode-prefix$max_tokens/profile.txt"
+  done
+  FUSEDCHECK_UNTIL=0 bash "$0" fusedcheck
+  if [ "$SECONDS" -lt "${ONEPASS_UNTIL:-380}" ]; then
+    date -u +"%T fp8 batch 64 (${SECONDS} s)"
+    timeout 150 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 64 --prompts 128 --kv8 \
+      2>&1 | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -20
+  fi
+  ;;
 fusedcheck)  # after fusedrule (2026-12-07): the runner's and FP8 pages' GPU tests and the exact
   # graphs through orbit serve (the fused and exact graphs now share one workspace; over FP8
   # pages the fused graph also stops at 768 tokens), then issue 16's bf16 8B through HTTP, in
@@ -456,7 +479,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -538,10 +538,18 @@ FUSED_CONFIGS = [  # (tokens per block, minimum tokens per split, warps) of deco
     (64, 256, 8),
     (32, 64, 8),
 ]
-# the tiles also timed with the page list read a block ahead (DECODE_PAGES_AHEAD)
+# the tiles also timed with the page list read the other way than the default for the pages'
+# dtype (triton_kernels.DECODE_PAGES_AHEAD: a block ahead over FP8 pages, just before over bf16)
 PAGES_AHEAD_CONFIGS = [(64, 128, 8), (64, 256, 8)]
-# the tiles also timed with the splits' states merged in one pass (SPLIT_MERGE_ONE_PASS)
+# the tiles also timed with the splits' states merged the other way than the default
+# (triton_kernels.SPLIT_MERGE_ONE_PASS: one pass)
 ONE_PASS_CONFIGS = [(64, 128, 8), (64, 64, 8)]
+
+
+def _unlike(switch: str, value: bool, default: bool) -> list[str]:
+    """A tile's label for a variant switch set otherwise than the default: "one-pass merge"
+    or "not one-pass merge"; nothing when it is the default."""
+    return [] if value == default else [switch if value else f"not {switch}"]
 
 
 def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str = "bf16") -> dict:
@@ -602,9 +610,11 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     row["splits"], row["fused"] = splits, []
     # over FP8 pages the products run in float16 (the default) and, to compare, in bf16
     product_kinds = (True, False) if kv == "fp8" else (True,)
-    configs = [(f16, *c, False, False) for f16 in product_kinds for c in FUSED_CONFIGS]
-    configs += [(True, *c, True, False) for c in PAGES_AHEAD_CONFIGS]
-    configs += [(True, *c, False, True) for c in ONE_PASS_CONFIGS]
+    ahead_now = kv_dtype in triton_kernels.DECODE_PAGES_AHEAD
+    one_pass_now = triton_kernels.SPLIT_MERGE_ONE_PASS
+    configs = [(f16, *c, ahead_now, one_pass_now) for f16 in product_kinds for c in FUSED_CONFIGS]
+    configs += [(True, *c, not ahead_now, one_pass_now) for c in PAGES_AHEAD_CONFIGS]
+    configs += [(True, *c, ahead_now, not one_pass_now) for c in ONE_PASS_CONFIGS]
     for f16, block_t, min_chunk, warps, ahead, one_pass in configs:
 
         def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
@@ -615,14 +625,16 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
             )  # fmt: skip
 
         with triton_kernels.switched(
-            FP8_PAGES_F16_PRODUCTS=f16, DECODE_PAGES_AHEAD=ahead, SPLIT_MERGE_ONE_PASS=one_pass
+            FP8_PAGES_F16_PRODUCTS=f16,
+            DECODE_PAGES_AHEAD=frozenset({kv_dtype}) if ahead else frozenset(),
+            SPLIT_MERGE_ONE_PASS=one_pass,
         ):
             fused(caches[0])
             err = rel_err(out, ref)
             us = graph_us([lambda c=c: fused(c) for c in caches])
         products = "f16" if f16 and kv == "fp8" else "model dtype"
-        tile = [block_t, min_chunk, warps] + (["pages ahead"] if ahead else [])
-        tile += ["one-pass merge"] if one_pass else []
+        tile = [block_t, min_chunk, warps] + _unlike("pages ahead", ahead, ahead_now)
+        tile += _unlike("one-pass merge", one_pass, one_pass_now)
         row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":
@@ -644,7 +656,8 @@ PREFIX_CONFIGS = [  # (query tokens a block, tokens a key block, minimum tokens 
     (16, 64, 512, 8),
     (16, 64, 1024, 8),
 ]
-# the tiles also timed with the splits' states merged in one pass (SPLIT_MERGE_ONE_PASS)
+# the tiles also timed with the splits' states merged the other way than the default
+# (triton_kernels.SPLIT_MERGE_ONE_PASS)
 PREFIX_ONE_PASS_CONFIGS = [(16, 64, 128, 8), (16, 64, 256, 8), (16, 64, 512, 8)]
 
 
@@ -702,7 +715,9 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
     dev_qo, dev_indptr, dev_last = qo.to(dev), indptr.to(dev), last.to(dev)
     out = torch.empty(tokens, HEADS, HEAD_DIM, device=dev, dtype=torch.bfloat16)
     row["orbit"] = []
-    configs = [(*c, False) for c in PREFIX_CONFIGS] + [(*c, True) for c in PREFIX_ONE_PASS_CONFIGS]
+    one_pass_now = triton_kernels.SPLIT_MERGE_ONE_PASS
+    configs = [(*c, one_pass_now) for c in PREFIX_CONFIGS]
+    configs += [(*c, not one_pass_now) for c in PREFIX_ONE_PASS_CONFIGS]
     for q_tokens, block_t, min_chunk, warps, one_pass in configs:
         blocks = triton_kernels.prefix_blocks(tokens, seqs, q_tokens)
         splits = triton_kernels.prefix_splits(tokens, q_tokens, KV_HEADS, torch.device(dev))
@@ -717,7 +732,8 @@ def bench_prefix(seqs: int, new: int, context: int, bw: float, kv: str = "bf16")
                 q_tokens=q_tokens, block_t=block_t, min_chunk=min_chunk, num_warps=warps,
             )  # fmt: skip
 
-        tile = [q_tokens, block_t, min_chunk, warps] + (["one-pass merge"] if one_pass else [])
+        tile = [q_tokens, block_t, min_chunk, warps]
+        tile += _unlike("one-pass merge", one_pass, one_pass_now)
         try:
             with triton_kernels.switched(SPLIT_MERGE_ONE_PASS=one_pass):
                 orbit(caches[0])

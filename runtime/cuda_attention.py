@@ -307,6 +307,11 @@ class PrefixGraphAttention:
     device: each program of the kernel finds its own sequence and block."""
 
     Q_TOKENS = 16  # new tokens a program: 64 rows with the 8B's groups of four query heads
+    # Tokens a split of the context holds at least. H100, 2026-12-07 (`benchmarks.kernels
+    # --part prefix`), 64 new tokens over 2,112 at the 8B's heads: 27.4 µs a layer with 512,
+    # 32.5 with 256, 36.2 with 128 (the state merge's latency grows with the splits); 16 new
+    # tokens over 2,064: 22.1 with 512, 16.7 with 256, FA3 34.3.
+    MIN_CHUNK = 512
 
     def __init__(
         self,
@@ -382,7 +387,7 @@ class PrefixGraphAttention:
         triton_kernels.prefix_attention(
             q, cache, self.qo_indptr_buf, self.kv_indptr_buf, self.indices_buf,
             self.last_len_buf, out, self.workspace, self.scale, self.splits, self.blocks,
-            kv_scales=scales, q_tokens=self.Q_TOKENS,
+            kv_scales=scales, q_tokens=self.Q_TOKENS, min_chunk=self.MIN_CHUNK,
         )  # fmt: skip
         return out
 

@@ -521,20 +521,24 @@ def _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H
 # decode_attention over FP8 pages widens keys and values to float16 for its products (True) or
 # to the model's dtype: a switch for `benchmarks.kernels --part decode`, which times both.
 FP8_PAGES_F16_PRODUCTS = True
-# decode_attention reads the page list a block ahead of the keys and values (True), or just
-# before them: a switch for `benchmarks.kernels --part decode`, which times both (not yet on a
-# GPU: the FP8 pages' kernel at 64 rows takes twice its bytes' time, 2026-12-07, and its loop
-# is not software-pipelined, so the latency of two dependent loads a block may set it).
-DECODE_PAGES_AHEAD = False
-# decode_attention and prefix_attention merge the splits' states in one pass (True) or two: a
-# switch for `benchmarks.kernels`, which times both (not yet on a GPU: the split-context
-# kernel's 16 new tokens took 17.7 us where their bytes take 2.8, 2026-12-07, and its merge
-# is 2 x splits dependent loads in a row).
-SPLIT_MERGE_ONE_PASS = False
+# Page dtypes over which decode_attention reads the page list a block ahead of the keys and
+# values, rather than just before them (`benchmarks.kernels --part decode` times both). H100,
+# 2026-12-07, µs a layer, the same tiles: over FP8 pages ahead wins everywhere (64 rows of 512
+# tokens 42.8 against 45.5, of 4,096 290.3 against 308.3; 8 rows of 512 10.9 against 11.2),
+# since their loop is bound by the two dependent loads a block; over bf16 pages it loses
+# everywhere (64 rows of 512 53.0 against 51.3, 8 rows of 2,048 35.9 against 34.7).
+DECODE_PAGES_AHEAD: frozenset = frozenset({torch.float8_e4m3fn})
+# decode_attention and prefix_attention merge the splits' states in one pass (True) or in two
+# (the last split reading the others' states twice, one after another). H100, 2026-12-07, µs a
+# layer, the same tiles: one pass wins wherever the context is split (decode, bf16 pages: 8
+# rows of 2,048 tokens 33.0 against 34.7, 32 of 512 31.2 against 32.1; FP8 pages: 8 of 512
+# 10.4 against 11.2; the split-context kernel, 64 new tokens over 2,112: 27.4 against 27.9
+# with 512-token splits, 32.5 against 33.4 with 256) and ties where it is not (64 rows of 512).
+SPLIT_MERGE_ONE_PASS = True
 
 
 @contextlib.contextmanager
-def switched(**values: bool):
+def switched(**values):
     """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
     SPLIT_MERGE_ONE_PASS=...) set for the block, for the benchmarks and checks that run both
     variants; read at launch, so a graph captured inside keeps its variant."""
@@ -652,7 +656,7 @@ def decode_attention(
         MM_F16=cache.dtype == torch.float8_e4m3fn and FP8_PAGES_F16_PRODUCTS,
         PDL=use_pdl,
         STORE_NEW=store_new,
-        PAGES_AHEAD=DECODE_PAGES_AHEAD,
+        PAGES_AHEAD=cache.dtype in DECODE_PAGES_AHEAD,
         ONE_PASS_MERGE=SPLIT_MERGE_ONE_PASS,
         num_warps=num_warps,
         launch_pdl=use_pdl,

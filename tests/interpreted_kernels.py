@@ -186,12 +186,14 @@ def check_decode_attention(worst: dict) -> None:
     expected_cache[pages, 1, offsets] = v
     scale = hd**-0.5
     expected = _attention(apply_rope(q, cos, sin), expected_cache, lengths, tables)
-    # the page list read ahead or not at each split count; the one-pass merge where splits merge
-    cases = [(*c, False) for c in itertools.product((1, 2, 4), (False, True))]
-    for splits, ahead, one_pass in cases + [(2, False, True), (4, True, True)]:
+    # the page list read ahead or not at each split count, the splits merged in one pass (the
+    # default); in two passes where splits merge
+    cases = [(*c, True) for c in itertools.product((1, 2, 4), (False, True))]
+    for splits, ahead, one_pass in cases + [(2, False, False), (4, True, False)]:
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
-        with triton_kernels.switched(DECODE_PAGES_AHEAD=ahead, SPLIT_MERGE_ONE_PASS=one_pass):
+        pages_ahead = frozenset({cache.dtype}) if ahead else frozenset()
+        with triton_kernels.switched(DECODE_PAGES_AHEAD=pages_ahead, SPLIT_MERGE_ONE_PASS=one_pass):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, scale, splits,
@@ -218,7 +220,8 @@ def check_decode_attention_fp8(worst: dict) -> None:
     for ahead in (False, True):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd, dtype=torch.bfloat16)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
-        with triton_kernels.switched(DECODE_PAGES_AHEAD=ahead):
+        pages_ahead = frozenset({cache.dtype}) if ahead else frozenset()
+        with triton_kernels.switched(DECODE_PAGES_AHEAD=pages_ahead):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
                 torch.tensor(pages), torch.tensor(offsets), out, workspace, hd**-0.5, 2,

@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 triton = pytest.importorskip("triton")
 
@@ -194,14 +195,17 @@ def _decode_attention(
     heads=(3, 3, 32),
     splits: int = 32,
     fp8: bool = False,
-    pages_ahead: bool = triton_kernels.DECODE_PAGES_AHEAD,
+    pages_ahead: bool | None = None,
     one_pass_merge: bool = triton_kernels.SPLIT_MERGE_ONE_PASS,
 ):
     """The kernel as FusedDecodeAttention launches it: by default with SmolLM2-135M's heads
     (9 query heads of 64 over 3 KV heads, heads = (KV heads, group, half the head size)) for
-    one row, 32 splits; over bf16 pages, or FP8 ones with the products decode_attention
-    chooses for them."""
+    one row, 32 splits; over bf16 pages, or FP8 ones with the products and the page list's
+    reading (pages_ahead None) that decode_attention chooses for them."""
     kv_heads, group, half = heads
+    if pages_ahead is None:
+        page_dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        pages_ahead = page_dtype in triton_kernels.DECODE_PAGES_AHEAD
     constexprs = {
         "NUM_KV_HEADS": kv_heads,
         "GROUP": group,
@@ -230,10 +234,11 @@ def test_decode_attention_compiles_for_hopper(store_new):
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
-def test_decode_attention_with_the_one_pass_merge_compiles_without_spills(tmp_path):
-    """SPLIT_MERGE_ONE_PASS's merge (off by default, for benchmarks.kernels to time) at the
-    8B's heads over 32 splits: no register spilled."""
-    kernel = _decode_attention(True, heads=(8, 4, 64), one_pass_merge=True)
+@pytest.mark.parametrize("one_pass_merge", [True, False])
+def test_decode_attention_over_32_splits_compiles_without_spills(one_pass_merge, tmp_path):
+    """The 8B's heads over 32 splits, the splits' states merged in one pass (the default,
+    SPLIT_MERGE_ONE_PASS) or two: no register spilled."""
+    kernel = _decode_attention(True, heads=(8, 4, 64), one_pass_merge=one_pass_merge)
     _unspilled_f16_widening(kernel, False, tmp_path)
 
 
@@ -275,11 +280,11 @@ PREFIX_TYPES = {
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
-@pytest.mark.parametrize(("fp8", "one_pass"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("fp8", "one_pass"), [(False, True), (True, True), (False, False)])
 def test_prefix_attention_at_the_8b_heads_compiles_without_spills(fp8, one_pass, tmp_path):
     """The split-context attention of a step's new tokens at the 8B's heads (blocks of 16
-    tokens of 4 query heads: 64 rows a tile) over bf16 and FP8 pages, and with the one-pass
-    merge (SPLIT_MERGE_ONE_PASS): no register spilled to local memory, and FP8 pages widened
+    tokens of 4 query heads: 64 rows a tile) over bf16 and FP8 pages, and with the two-pass
+    merge (SPLIT_MERGE_ONE_PASS off): no register spilled to local memory, and FP8 pages widened
     pairwise to float16 as in the decode kernel."""
     constexprs = {
         "NUM_KV_HEADS": 8,
