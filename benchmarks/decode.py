@@ -132,7 +132,7 @@ def parse_args(argv):
         type=int,
         default=CudaRunnerOptions.prefix_attention_max_tokens,
         help="token buckets of at most this many tokens also get a graph attending through "
-        "Orbit's split-context kernel, replayed for a few sequences over long contexts "
+        "Orbit's split-context kernel, replayed for one sequence over a long context "
         "(runtime/cuda_runner.py CudaRunnerOptions.prefix_attention_max_tokens; issue 18's "
         "cached turn; 0: off)",
     )
@@ -293,7 +293,9 @@ def build_runner(spec, tensors, args, quant=None, kv_quant=None, max_seq_len=409
         mixed_fa2_min_rows=getattr(
             args, "mixed_fa2_min_rows", CudaRunnerOptions.mixed_fa2_min_rows
         ),
-        prefix_attention_max_tokens=getattr(args, "prefix_attention_max_tokens", 0),
+        prefix_attention_max_tokens=getattr(
+            args, "prefix_attention_max_tokens", CudaRunnerOptions.prefix_attention_max_tokens
+        ),
     )
     runner = CudaGraphRunner(model, caps, options)
     t1 = time.perf_counter()

@@ -72,7 +72,7 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
-case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
+case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, prefixon, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_smollm2_arch.py tests/gpu/test_serve_cuda.py \
@@ -288,6 +288,21 @@ onepass)  # after fused and prefix (2026-12-07 15:12 UTC): the one-pass merge on
       2>&1 | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -20
   fi
   ;;
+prefixon)  # after onepass (2026-12-07): the split-context graphs on by default (buckets up to
+  # 64 tokens, one sequence, FA3's cards): the runner's and serve's GPU tests, then the cached
+  # turn's step as the default runner takes it
+  pkill -f " -m ranks " || true
+  date -u +"%T tests (${SECONDS} s)"
+  timeout -s INT 300 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_cuda_runner.py tests/gpu/test_serve_cuda.py -k "not smollm2 and not draft" \
+    >"$OUT/tests.txt" 2>&1
+  grep -E "FAILED|ERROR|^E |passed|failed" "$OUT/tests.txt" | head -20
+  pkill -f " -m ranks " || true
+  date -u +"%T decode profile, the default runner (${SECONDS} s)"
+  timeout 100 python3 -m benchmarks.decode --out "$OUT/decode-default" --batches 1 \
+    --prompts 2048 --hf-tokens 0 --profile 2>&1 | grep -E -A1 "rror|TTFT ms" | tail -4
+  grep -h "cached:\|alone:" "$OUT/decode-default/profile.txt"
+  ;;
 fusedcheck)  # after fusedrule (2026-12-07): the runner's and FP8 pages' GPU tests and the exact
   # graphs through orbit serve (the fused and exact graphs now share one workspace; over FP8
   # pages the fused graph also stops at 768 tokens), then issue 16's bf16 8B through HTTP, in
@@ -479,7 +494,7 @@ fp8)  # issue 20: the FP8 tiles on this card
   timeout 200 python3 -m benchmarks.fp8_gemv tiles --out "$OUT/fp8-tiles" 2>&1 | tail -4
   ;;
 *)
-  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
+  echo "unknown call $1: servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, prefixon, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8" >&2
   exit 2
   ;;
 esac

@@ -52,9 +52,9 @@ rows (token 0, position 0, KV into the padding page) belong to no sequence, and 
 fixed number of sequences, min(max_batch, bucket), is filled with empty ones
 (runtime/cuda_attention.py, PrefillGraphAttention). Where those graphs attend through FA3,
 a step with many decode rows beside its prompt chunks replays the bucket's second graph, which
-attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows); with prefix_attention_max_tokens
-set, a step of a few sequences over a long context replays a graph attending through Orbit's
-split-context kernel (PrefixGraphAttention). The graph ends at the final norm; the LM
+attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows), and a step of one sequence's few
+new tokens over a long context (a turn after a cached prefix) replays a graph attending
+through Orbit's split-context kernel (PrefixGraphAttention, prefix_attention_max_tokens). The graph ends at the final norm; the LM
 head then runs eagerly on the sampling rows only (one GEMM and, for TP > 1, one all-gather),
 so a graph need not carry max_batch rows of logits. A step beyond the package's per-step
 token budget or max batch raises BucketError.
@@ -140,15 +140,17 @@ class CudaRunnerOptions:
     # 2026-12-06, `benchmarks.decode --mixed`, ms FA3 / FA2): 252 rows 77.5 / 59.3, 64 rows
     # 55.7 / 53.1, 32 rows 51.4 / 52.3; prompts alone are 1-5% faster through FA3. 0: off.
     mixed_fa2_min_rows: int = 48
-    # Token buckets of at most this many tokens also get a graph attending through Orbit's
-    # split-context kernel (PrefixGraphAttention), replayed for steps of at most
-    # prefix_attention_max_seqs sequences whose longest context reaches
-    # prefix_attention_min_context tokens: a turn after a cached prefix, whose few new tokens
-    # FlashInfer's FA3 prefill gives a few CTAs that each walk the whole context (1.13 ms of
-    # the 8B's 7.83 ms cached-turn step on an H100, 2026-12-06). 0: off, the default: on an
-    # H100 (2026-12-07) the kernel took 38.4 µs a layer in that step where FA3 took 35.6.
-    prefix_attention_max_tokens: int = 0
-    prefix_attention_max_seqs: int = 8
+    # Where prefill graphs attend through FA3, token buckets of at most this many tokens also
+    # get a graph attending through Orbit's split-context kernel (PrefixGraphAttention),
+    # replayed for steps of at most prefix_attention_max_seqs sequences whose longest context
+    # reaches prefix_attention_min_context tokens: a turn after a cached prefix, whose few new
+    # tokens FA3 gives a few CTAs that each walk the whole context. H100, 2026-12-07, the 8B's
+    # cached turn (64 new tokens after 2,048): attention 27.5 against FA3's 34.5 µs a layer,
+    # the step 7.67 against 7.98 ms (`benchmarks.decode --profile`); alone, 16 new tokens over
+    # 2,064 22.1 against 34.3, but 4 sequences of 64 over 2,112 76.2 against 36.5, hence one
+    # sequence. Over FP8 pages (FA2's graphs) the kernel lost (29.1 against 27.5). 0: off.
+    prefix_attention_max_tokens: int = 64
+    prefix_attention_max_seqs: int = 1
     prefix_attention_min_context: int = 1024
     kv_quant: KVQuant | None = None  # FP8 KV pages with these scales; None: the model's dtype
     # Bytes per page of another pool indexed by the same page ids, allocated after this one
@@ -230,7 +232,7 @@ class CudaGraphRunner:
             if fa3 and least and min(capacities.max_batch, t) >= least
         )
         self.prefix_buckets = tuple(
-            t for t in self.prefill_buckets if t <= options.prefix_attention_max_tokens
+            t for t in self.prefill_buckets if fa3 and t <= options.prefix_attention_max_tokens
         )
         self._alloc_static()
         reserve = self._profile() + options.reserve_margin_bytes

@@ -214,8 +214,9 @@ def test_steps_through_the_split_context_graphs_match_the_eager_path(llama, repo
     scribbled padding page gives the same logits."""
     _, spec, tensors, _, _ = llama
     runner = models.cuda_runner(
-        spec, tensors, TPGroup(), prefix_attention_max_tokens=64, prefix_attention_min_context=256
-    )
+        spec, tensors, TPGroup(), prefix_attention_max_tokens=64, prefix_attention_max_seqs=8,
+        prefix_attention_min_context=256,
+    )  # fmt: skip
     assert runner.prefix_buckets == (16, 32, 64)
     tables = steps.page_tables(8, 512)
     prompts = random_prompts(spec.vocab_size, lengths=(300, 7, 40, 700), seed=17)
