@@ -54,10 +54,10 @@ fixed number of sequences, min(max_batch, bucket), is filled with empty ones
 a step with many decode rows beside its prompt chunks replays the bucket's second graph, which
 attends through FA2 (CudaRunnerOptions.mixed_fa2_min_rows), and a step of one sequence's few
 new tokens over a long context (a turn after a cached prefix) replays a graph attending
-through Orbit's split-context kernel (PrefixGraphAttention, prefix_attention_max_tokens). The graph ends at the final norm; the LM
-head then runs eagerly on the sampling rows only (one GEMM and, for TP > 1, one all-gather),
-so a graph need not carry max_batch rows of logits. A step beyond the package's per-step
-token budget or max batch raises BucketError.
+through Orbit's split-context kernel (PrefixGraphAttention, prefix_attention_max_tokens).
+The graph ends at the final norm; the LM head then runs eagerly on the sampling rows only
+(one GEMM and, for TP > 1, one all-gather), so a graph need not carry max_batch rows of
+logits. A step beyond the package's per-step token budget or max batch raises BucketError.
 
 Memory: after `capture()`, steps allocate no new device memory: replays touch only the graphs'
 pool and the static buffers; the eager LM head of prefill steps reuses the caching allocator's

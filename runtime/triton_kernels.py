@@ -556,8 +556,8 @@ DECODE_PAGES_AHEAD: frozenset = frozenset({torch.float8_e4m3fn})
 SPLIT_MERGE_ONE_PASS = True
 # decode_attention's loop over blocks of keys and values: 0, each block's loads issued by the
 # kernel one block ahead of its arithmetic (the default); N > 0, Triton's software pipeline of
-# N stages (cp.async into shared memory, N - 1 blocks in flight), a switch for
-# `benchmarks.kernels --part decode`, not yet timed on a GPU (2026-12-07: over FP8 pages at
+# N stages (cp.async into shared memory, N - 1 blocks in flight; DECODE_PAGES_AHEAD then does
+# not apply), a switch for `benchmarks.kernels --part decode`, not yet timed on a GPU (2026-12-07: over FP8 pages at
 # 64 rows of 512 tokens the kernel takes 42.8 µs a layer where its bytes take 22).
 DECODE_PIPELINE_STAGES = 0
 
@@ -565,7 +565,7 @@ DECODE_PIPELINE_STAGES = 0
 @contextlib.contextmanager
 def switched(**values):
     """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
-    SPLIT_MERGE_ONE_PASS=...) set for the block, for the benchmarks and checks that run both
+    SPLIT_MERGE_ONE_PASS=..., DECODE_PIPELINE_STAGES=...) set for the block, for the benchmarks and checks that run both
     variants; read at launch, so a graph captured inside keeps its variant."""
     switches = globals()
     saved = {name: switches[name] for name in values}
