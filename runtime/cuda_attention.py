@@ -307,10 +307,12 @@ class PrefixGraphAttention:
     device: each program of the kernel finds its own sequence and block."""
 
     Q_TOKENS = 16  # new tokens a program: 64 rows with the 8B's groups of four query heads
-    # Tokens a split of the context holds at least. H100, 2026-12-07 (`benchmarks.kernels
-    # --part prefix`), 64 new tokens over 2,112 at the 8B's heads: 27.4 µs a layer with 512,
-    # 32.5 with 256, 36.2 with 128 (the state merge's latency grows with the splits); 16 new
-    # tokens over 2,064: 22.1 with 512, 16.7 with 256, FA3 34.3.
+    # Tokens a split of the context holds at least, for graphs of one block of new tokens and
+    # of more. H100, 2026-12-07 (`benchmarks.kernels --part prefix`), at the 8B's heads: 16
+    # new tokens over 2,064 16.7 µs a layer with 256, 22.1 with 512, 20.4 with 128 (FA3 34.3);
+    # 64 new over 2,112 27.4 with 512, 32.5 with 256, 36.2 with 128 (FA3 34.8). Fewer blocks
+    # leave room for more splits; more splits cost the last one a longer merge.
+    MIN_CHUNK_ONE_BLOCK = 256
     MIN_CHUNK = 512
 
     def __init__(
@@ -334,6 +336,7 @@ class PrefixGraphAttention:
         self.kv_indptr_buf = torch.zeros(batch + 1, **i32)
         self.last_len_buf = torch.ones(batch, **i32)
         self.blocks, self.splits = self.grid(tokens, batch, kv.shape.kv_heads, device)
+        self.min_chunk = self.MIN_CHUNK_ONE_BLOCK if tokens <= self.Q_TOKENS else self.MIN_CHUNK
         self.workspace = workspace
 
     @classmethod
@@ -387,7 +390,7 @@ class PrefixGraphAttention:
         triton_kernels.prefix_attention(
             q, cache, self.qo_indptr_buf, self.kv_indptr_buf, self.indices_buf,
             self.last_len_buf, out, self.workspace, self.scale, self.splits, self.blocks,
-            kv_scales=scales, q_tokens=self.Q_TOKENS, min_chunk=self.MIN_CHUNK,
+            kv_scales=scales, q_tokens=self.Q_TOKENS, min_chunk=self.min_chunk,
         )  # fmt: skip
         return out
 
