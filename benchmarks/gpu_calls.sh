@@ -72,6 +72,17 @@ import json, sys; l = json.load(open(sys.argv[1]))['levels'][-1]
 print({k: v for k, v in l.items() if 'step' in k or 'ttft_mean' in k or k in ('output_tokens_per_s', 'client_busy_frac')})" "$1"
 }
 
+# The cached turn's step (64 new tokens after 2,048 cached) and TTFT(2,048), profiled, with the
+# split-context graphs up to $1 tokens (0: off; none given: the runner's default), in $2 s.
+cached_turn() {
+  local name=decode-prefix${1:-default}
+  date -u +"%T decode profile, split-context graphs up to ${1:-default} tokens (${SECONDS} s)"
+  timeout "${2:-100}" python3 -m benchmarks.decode --out "$OUT/$name" --batches 1 \
+    --prompts 2048 --hf-tokens 0 --profile ${1:+--prefix-attention-max-tokens $1} 2>&1 \
+    | grep -E -A1 "rror|TTFT ms" | tail -4
+  grep -h "cached:\|alone:" "$OUT/$name/profile.txt"
+}
+
 case "${1:?servecuda, stage, copycap, serve, part, copy, one, httpab, httpfp8, http16, trimab, coreab, http256, next, fused, onepass, prefixon, fusedrule, fusedcheck, fp8attn, prefix, short, rest, kv8, buckets, chain, tiles, profile, fp8profile or fp8}" in
 one)  # with too little device time for three calls: serve's tests
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
@@ -276,13 +287,8 @@ onepass)  # after fused and prefix (2026-12-07 15:12 UTC): the one-pass merge on
   timeout -s INT 120 python3 -m pytest -q --tb=short -p no:cacheprovider \
     tests/gpu/test_decode_attention.py tests/gpu/test_prefix_attention.py >"$OUT/kernels.txt" 2>&1
   grep -E "passed|failed|^E |FAILED" "$OUT/kernels.txt" | head -12
-  for max_tokens in 0 64; do
-    date -u +"%T decode profile, split-context graphs up to $max_tokens tokens (${SECONDS} s)"
-    timeout 100 python3 -m benchmarks.decode --out "$OUT/decode-prefix$max_tokens" --batches 1 \
-      --prompts 2048 --hf-tokens 0 --profile --prefix-attention-max-tokens $max_tokens 2>&1 \
-      | grep -E -A1 "rror|TTFT ms" | tail -4
-    grep -h "cached:\|alone:" "$OUT/decode-prefix$max_tokens/profile.txt"
-  done
+  cached_turn 0
+  cached_turn 64
   FUSEDCHECK_UNTIL=0 bash "$0" fusedcheck
   if [ "$SECONDS" -lt "${ONEPASS_UNTIL:-380}" ]; then
     date -u +"%T fp8 batch 64 (${SECONDS} s)"
@@ -300,10 +306,7 @@ prefixon)  # after onepass (2026-12-07): the split-context graphs on by default 
     >"$OUT/tests.txt" 2>&1
   grep -E "FAILED|ERROR|^E |passed|failed" "$OUT/tests.txt" | head -20
   pkill -f " -m ranks " || true
-  date -u +"%T decode profile, the default runner (${SECONDS} s)"
-  timeout 100 python3 -m benchmarks.decode --out "$OUT/decode-default" --batches 1 \
-    --prompts 2048 --hf-tokens 0 --profile 2>&1 | grep -E -A1 "rror|TTFT ms" | tail -4
-  grep -h "cached:\|alone:" "$OUT/decode-default/profile.txt"
+  cached_turn
   ;;
 fusedcheck)  # after fusedrule (2026-12-07): the runner's and FP8 pages' GPU tests and the exact
   # graphs through orbit serve (the fused and exact graphs now share one workspace; over FP8
@@ -410,11 +413,7 @@ prefix)  # issue 18: the cached turn's attention (64 new tokens over 2,112: FA3 
   # tokens against the default (FA3), profiled; then the runner's GPU tests with them
   for max_tokens in 0 256; do
     [ "$SECONDS" -gt "${PREFIX_UNTIL:-330}" ] && break
-    date -u +"%T decode profile, split-context graphs up to $max_tokens tokens (${SECONDS} s)"
-    timeout 150 python3 -m benchmarks.decode --out "$OUT/decode-prefix$max_tokens" --batches 1 \
-      --prompts 2048 --hf-tokens 0 --profile --prefix-attention-max-tokens $max_tokens 2>&1 \
-      | grep -E -A1 "rror|TTFT ms" | tail -4
-    grep -h "cached:\|alone:" "$OUT/decode-prefix$max_tokens/profile.txt"
+    cached_turn $max_tokens 150
   done
   if [ "$SECONDS" -lt 450 ]; then
     timeout -s INT 140 python3 -m pytest -q --tb=short -p no:cacheprovider \
