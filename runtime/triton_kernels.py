@@ -473,48 +473,45 @@ def _finish_split(
             # The last split to finish merges all; .cg loads read L2, never an L1 line left
             # by an earlier step. (Loading every split's state at once measured slower.)
             ml = part_ml_ptr + first * 2 * BLOCK_M + rows
+            acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
             if ONE_PASS:
-                acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
                 o1, o2, total = _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M, BLOCK_H)
             else:
-                m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for j in range(active):
-                    mj = tl.load(
-                        ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
-                    )
-                    m_all = tl.maximum(m_all, mj)
-                total = tl.zeros([BLOCK_M], tl.float32)
-                o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-                o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
-                acc = part_acc_ptr + first * BLOCK_M * 2 * BLOCK_H + tile
-                for j in range(active):
-                    mj = tl.load(
-                        ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg"
-                    )
-                    lj = tl.load(
-                        ml + j * 2 * BLOCK_M + BLOCK_M,
-                        mask=rows_ok,
-                        other=0.0,
-                        cache_modifier=".cg",
-                    )
-                    wj = tl.exp2(mj - m_all)
-                    total += wj * lj
-                    aj = acc + j * BLOCK_M * 2 * BLOCK_H
-                    a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
-                    a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
-                    o1 += wj[:, None] * a1
-                    o2 += wj[:, None] * a2
+                o1, o2, total = _merge_two_pass(ml, acc, rows_ok, ok, active, BLOCK_M, BLOCK_H)
             tl.store(out_addr, (o1 / total[:, None] * v_scale).to(dtype), mask=ok)
             tl.store(out_addr + HALF, (o2 / total[:, None] * v_scale).to(dtype), mask=ok)
             tl.store(counter, 0)  # ready for the next step
 
 
 @triton.jit
+def _merge_two_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The splits' outputs and sums (o1, o2 [BLOCK_M, BLOCK_H], total [BLOCK_M]) weighted to
+    their common max: the maxima in a first pass over the splits, the rest in a second."""
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for j in range(active):
+        mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        m_all = tl.maximum(m_all, mj)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
+    for j in range(active):
+        mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        lj = tl.load(ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        wj = tl.exp2(mj - m_all)
+        total += wj * lj
+        aj = acc + j * BLOCK_M * 2 * BLOCK_H
+        a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
+        a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+        o1 += wj[:, None] * a1
+        o2 += wj[:, None] * a2
+    return o1, o2, total
+
+
+@triton.jit
 def _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """The splits' outputs and sums (o1, o2 [BLOCK_M, BLOCK_H], total [BLOCK_M]) weighted to
     their common max in one pass: what is merged so far is rescaled whenever a split's max is
-    higher, so each split costs one round trip to L2 where _finish_split's two passes cost
-    two."""
+    higher, so each split costs one round trip to L2 where _merge_two_pass costs two."""
     m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
@@ -557,16 +554,18 @@ SPLIT_MERGE_ONE_PASS = True
 # decode_attention's loop over blocks of keys and values: 0, each block's loads issued by the
 # kernel one block ahead of its arithmetic (the default); N > 0, Triton's software pipeline of
 # N stages (cp.async into shared memory, N - 1 blocks in flight; DECODE_PAGES_AHEAD then does
-# not apply), a switch for `benchmarks.kernels --part decode`, not yet timed on a GPU (2026-12-07: over FP8 pages at
-# 64 rows of 512 tokens the kernel takes 42.8 µs a layer where its bytes take 22).
+# not apply), a switch for `benchmarks.kernels --part decode`, not yet timed on a GPU
+# (2026-12-07: over FP8 pages at 64 rows of 512 tokens the kernel takes 42.8 µs a layer where
+# its bytes take 22).
 DECODE_PIPELINE_STAGES = 0
 
 
 @contextlib.contextmanager
 def switched(**values):
     """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
-    SPLIT_MERGE_ONE_PASS=..., DECODE_PIPELINE_STAGES=...) set for the block, for the benchmarks and checks that run both
-    variants; read at launch, so a graph captured inside keeps its variant."""
+    SPLIT_MERGE_ONE_PASS=..., DECODE_PIPELINE_STAGES=...) set for the block, for the
+    benchmarks and checks that run both variants; read at launch, so a graph captured inside
+    keeps its variant."""
     switches = globals()
     saved = {name: switches[name] for name in values}
     switches.update(values)
