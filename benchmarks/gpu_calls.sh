@@ -296,12 +296,40 @@ onepass)  # after fused and prefix (2026-12-07 15:12 UTC): the one-pass merge on
       2>&1 | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -20
   fi
   ;;
+h200a)  # first of three calls on one machine (2026-12-07 17:50): carry [".gpu", ".gputok",
+  # ".gga", ".whl"]; the GGUF's first part staged, serve's exact test (the one prefixon's 300 s
+  # cut at 17:41), and on an H200 issue 19's verification step of the 8B
+  cp .gga/part.aa /tmp/gg/
+  pkill -f " -m ranks " || true
+  timeout -s INT 200 python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
+  grep -hE "PASSED|FAILED|ERROR|^E " "$OUT/tests-exact.txt" | head -20
+  pkill -f " -m ranks " || true
+  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+    timeout 200 python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
+      --out "$OUT/verify-8b-exact" 2>&1 | tail -2
+  fi
+  ;;
+h200b)  # second: carry [".ggb"]; the second part staged, issue 19's batch 64 with speculation
+  # on against off
+  cp .ggb/part.ab /tmp/gg/
+  bash "$0" rest64
+  ;;
+rest64)  # rest's first part alone
+  pkill -f " -m ranks " || true
+  pkg=/tmp/orbit-8b-256
+  [ -f $pkg/manifest.pb ] || timeout 200 python3 -m benchmarks.random_package --out $pkg \
+    --max-batch 256 --tokenizer "$ORBIT_TEST_TOKENIZER" 2>&1 | tail -1
+  timeout 200 python3 -m benchmarks.speculation batch --package $pkg --device cuda --users 64 \
+    --out "$OUT/spec-batch64" 2>&1 | tail -3
+  pkill -f " -m ranks " || true
+  ;;
 prefixon)  # after onepass (2026-12-07): the split-context graphs on by default (buckets up to
   # 64 tokens, one sequence, FA3's cards): the runner's and serve's GPU tests, then the cached
   # turn's step as the default runner takes it
   pkill -f " -m ranks " || true
   date -u +"%T tests (${SECONDS} s)"
-  timeout -s INT 300 python3 -m pytest -v --tb=short -p no:cacheprovider \
+  timeout -s INT 420 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_cuda_runner.py tests/gpu/test_serve_cuda.py -k "not smollm2 and not draft" \
     >"$OUT/tests.txt" 2>&1
   grep -E "FAILED|ERROR|^E |passed|failed" "$OUT/tests.txt" | head -20
