@@ -251,8 +251,7 @@ next)  # with little device time: on an H200, issue 16's target level (the FP8 8
 fused)  # issues 16 and 20: Orbit's one-kernel decode attention against FlashInfer's path at 8
   # to 64 rows and 512 to 4,096 tokens, over bf16 and FP8 pages: where the fused graphs should
   # stop (CudaRunnerOptions.fused_decode_max_bucket, fused_decode_max_context); each line's
-  # tiles also hold the variants of benchmarks.kernels' PAGES_AHEAD_CONFIGS, ONE_PASS_CONFIGS
-  # and PIPELINE_CONFIGS (the loop as Triton's software pipeline, new 2026-12-07 15:45 UTC)
+  # tiles also hold the variants of benchmarks.kernels' PAGES_AHEAD_CONFIGS and ONE_PASS_CONFIGS
   timeout 400 python3 -m benchmarks.kernels --out "$OUT/kernels" --part decode --decode-kv \
     bf16,fp8 --decode-cases 8x512,16x512,32x512,64x512,8x2048,16x2048,64x2048,64x4096 2>&1 \
     | grep -E "^decode|rror"

@@ -544,9 +544,6 @@ PAGES_AHEAD_CONFIGS = [(64, 128, 8), (64, 256, 8)]
 # the tiles also timed with the splits' states merged the other way than the default
 # (triton_kernels.SPLIT_MERGE_ONE_PASS: one pass)
 ONE_PASS_CONFIGS = [(64, 128, 8), (64, 64, 8)]
-# (tokens per block, minimum tokens per split, warps, stages): the loop as Triton's software
-# pipeline (triton_kernels.DECODE_PIPELINE_STAGES)
-PIPELINE_CONFIGS = [(64, 128, 8, 2), (64, 128, 8, 3), (64, 256, 8, 3), (32, 128, 4, 3)]
 
 
 def _unlike(switch: str, value: bool, default: bool) -> list[str]:
@@ -615,13 +612,10 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
     product_kinds = (True, False) if kv == "fp8" else (True,)
     ahead_now = kv_dtype in triton_kernels.DECODE_PAGES_AHEAD
     one_pass_now = triton_kernels.SPLIT_MERGE_ONE_PASS
-    configs = [
-        (f16, *c, ahead_now, one_pass_now, 0) for f16 in product_kinds for c in FUSED_CONFIGS
-    ]
-    configs += [(True, *c, not ahead_now, one_pass_now, 0) for c in PAGES_AHEAD_CONFIGS]
-    configs += [(True, *c, ahead_now, not one_pass_now, 0) for c in ONE_PASS_CONFIGS]
-    configs += [(True, *c[:3], ahead_now, one_pass_now, c[3]) for c in PIPELINE_CONFIGS]
-    for f16, block_t, min_chunk, warps, ahead, one_pass, stages in configs:
+    configs = [(f16, *c, ahead_now, one_pass_now) for f16 in product_kinds for c in FUSED_CONFIGS]
+    configs += [(True, *c, not ahead_now, one_pass_now) for c in PAGES_AHEAD_CONFIGS]
+    configs += [(True, *c, ahead_now, not one_pass_now) for c in ONE_PASS_CONFIGS]
+    for f16, block_t, min_chunk, warps, ahead, one_pass in configs:
 
         def fused(c, block_t=block_t, min_chunk=min_chunk, warps=warps):
             triton_kernels.decode_attention(
@@ -634,7 +628,6 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
             FP8_PAGES_F16_PRODUCTS=f16,
             DECODE_PAGES_AHEAD=frozenset({kv_dtype}) if ahead else frozenset(),
             SPLIT_MERGE_ONE_PASS=one_pass,
-            DECODE_PIPELINE_STAGES=stages,
         ):
             fused(caches[0])
             err = rel_err(out, ref)
@@ -642,7 +635,6 @@ def bench_fused_decode(batch: int, context: int, layers: int, bw: float, kv: str
         products = "f16" if f16 and kv == "fp8" else "model dtype"
         tile = [block_t, min_chunk, warps] + _unlike("pages ahead", ahead, ahead_now)
         tile += _unlike("one-pass merge", one_pass, one_pass_now)
-        tile += [f"pipeline of {stages}"] if stages else []
         row["fused"].append({"tile": tile, "products": products, "us": us, "err": err})
     row["best"] = min(row["fused"], key=lambda r: r["us"])
     if kv == "fp8":

@@ -250,7 +250,6 @@ def _decode_attention_kernel(
     STORE_NEW: tl.constexpr,
     PAGES_AHEAD: tl.constexpr,
     ONE_PASS_MERGE: tl.constexpr,
-    PIPELINE_STAGES: tl.constexpr,
 ):
     # FP8 pages (KV_FP8): keys and values are widened for the products, to float16 with
     # MM_F16 (one conversion instruction per pair, and every e4m3 value is exact in it; the
@@ -351,48 +350,30 @@ def _decode_attention_kernel(
         keep = tl.where(last, 1.0, 0.0)
         acc1 = keep * vn1.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
         acc2 = keep * vn2.to(tl.float32)[None, :] + tl.zeros([BLOCK_G, BLOCK_H], tl.float32)
-        if PIPELINE_STAGES > 0:
-            # the block read before griddepcontrol.wait, then Triton's software pipeline over
-            # the rest: each block's page list and keys and values are asked for
-            # PIPELINE_STAGES - 1 blocks ahead, through cp.async into shared memory
-            m, l_sum, acc1, acc2 = _softmax_block(
-                q1, q2, k1, k2, v1, v2, (lo + t < hi)[None, :], m, l_sum, acc1, acc2,
-                scale_log2, mm, False,
-            )  # fmt: skip
-            for start in tl.range(lo + BLOCK_T, hi, BLOCK_T, num_stages=PIPELINE_STAGES):
-                k1, k2, v1, v2 = _kv_block(
-                    cache_ptr, indices_ptr, first_page, start + t, hi, head_off, e, e_ok,
+        if PAGES_AHEAD:
+            next_pages = _kv_pages(indices_ptr, first_page, lo + BLOCK_T + t, hi, PAGE_SIZE)
+        for start in range(lo, hi, BLOCK_T):
+            # the next block's loads are issued before this block's arithmetic; PAGES_AHEAD:
+            # with its pages read a block earlier still, so that they do not wait on the
+            # page list's load
+            if PAGES_AHEAD:
+                nk1, nk2, nv1, nv2 = _kv_at(
+                    cache_ptr, next_pages, start + BLOCK_T + t, hi, head_off, e, e_ok,
                     page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
                 )  # fmt: skip
-                m, l_sum, acc1, acc2 = _softmax_block(
-                    q1, q2, k1, k2, v1, v2, (start + t < hi)[None, :], m, l_sum, acc1, acc2,
-                    scale_log2, mm, False,
+                next_pages = _kv_pages(
+                    indices_ptr, first_page, start + 2 * BLOCK_T + t, hi, PAGE_SIZE
+                )
+            else:
+                nk1, nk2, nv1, nv2 = _kv_block(
+                    cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e,
+                    e_ok, page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
                 )  # fmt: skip
-        else:
-            if PAGES_AHEAD:
-                next_pages = _kv_pages(indices_ptr, first_page, lo + BLOCK_T + t, hi, PAGE_SIZE)
-            for start in range(lo, hi, BLOCK_T):
-                # the next block's loads are issued before this block's arithmetic; PAGES_AHEAD:
-                # with its pages read a block earlier still, so that they do not wait on the
-                # page list's load
-                if PAGES_AHEAD:
-                    nk1, nk2, nv1, nv2 = _kv_at(
-                        cache_ptr, next_pages, start + BLOCK_T + t, hi, head_off, e, e_ok,
-                        page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
-                    )  # fmt: skip
-                    next_pages = _kv_pages(
-                        indices_ptr, first_page, start + 2 * BLOCK_T + t, hi, PAGE_SIZE
-                    )
-                else:
-                    nk1, nk2, nv1, nv2 = _kv_block(
-                        cache_ptr, indices_ptr, first_page, start + BLOCK_T + t, hi, head_off, e,
-                        e_ok, page_stride, kv_stride, slot_stride, HALF, PAGE_SIZE, mm,
-                    )  # fmt: skip
-                m, l_sum, acc1, acc2 = _softmax_block(
-                    q1, q2, k1, k2, v1, v2, (start + t < hi)[None, :], m, l_sum, acc1, acc2,
-                    scale_log2, mm, False,
-                )  # fmt: skip
-                k1, k2, v1, v2 = nk1, nk2, nv1, nv2
+            m, l_sum, acc1, acc2 = _softmax_block(
+                q1, q2, k1, k2, v1, v2, (start + t < hi)[None, :], m, l_sum, acc1, acc2,
+                scale_log2, mm, False,
+            )  # fmt: skip
+            k1, k2, v1, v2 = nk1, nk2, nv1, nv2
         out_addr = out_ptr + ((b * NUM_KV_HEADS + h) * GROUP + g)[:, None] * 2 * HALF + e[None, :]
         _finish_split(
             acc1, acc2, m, l_sum, out_addr, g, g_ok, e, q_ok, s, active, part_acc_ptr,
@@ -551,19 +532,16 @@ DECODE_PAGES_AHEAD: frozenset = frozenset({torch.float8_e4m3fn})
 # 10.4 against 11.2; the split-context kernel, 64 new tokens over 2,112: 27.4 against 27.9
 # with 512-token splits, 32.5 against 33.4 with 256) and ties where it is not (64 rows of 512).
 SPLIT_MERGE_ONE_PASS = True
-# decode_attention's loop over blocks of keys and values: 0, each block's loads issued by the
-# kernel one block ahead of its arithmetic (the default); N > 0, Triton's software pipeline of
-# N stages (cp.async into shared memory, N - 1 blocks in flight; DECODE_PAGES_AHEAD then does
-# not apply), a switch for `benchmarks.kernels --part decode`, not yet timed on a GPU
-# (2026-12-07: over FP8 pages at 64 rows of 512 tokens the kernel takes 42.8 µs a layer where
-# its bytes take 22).
-DECODE_PIPELINE_STAGES = 0
+# decode_attention's loop issues each block's loads one block ahead of its arithmetic. Triton's
+# software pipeline instead (cp.async into shared memory, 2 or 3 stages) lost everywhere it was
+# timed, by 10-80% (H100, 2026-12-07 17:45 UTC: FP8 pages, 64 rows of 512 tokens, 57.3-77.5
+# µs a layer against 42.7; docs/performance.md), and was taken out.
 
 
 @contextlib.contextmanager
 def switched(**values):
     """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
-    SPLIT_MERGE_ONE_PASS=..., DECODE_PIPELINE_STAGES=...) set for the block, for the
+    SPLIT_MERGE_ONE_PASS=...) set for the block, for the
     benchmarks and checks that run both variants; read at launch, so a graph captured inside
     keeps its variant."""
     switches = globals()
@@ -682,7 +660,6 @@ def decode_attention(
         STORE_NEW=store_new,
         PAGES_AHEAD=cache.dtype in DECODE_PAGES_AHEAD,
         ONE_PASS_MERGE=SPLIT_MERGE_ONE_PASS,
-        PIPELINE_STAGES=DECODE_PIPELINE_STAGES,
         num_warps=num_warps,
         launch_pdl=use_pdl,
     )

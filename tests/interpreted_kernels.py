@@ -187,16 +187,15 @@ def check_decode_attention(worst: dict) -> None:
     scale = hd**-0.5
     expected = _attention(apply_rope(q, cos, sin), expected_cache, lengths, tables)
     # the page list read ahead or not at each split count, the splits merged in one pass (the
-    # default); in two passes where splits merge; the loop as Triton's software pipeline
-    cases = [(*c, True, 0) for c in itertools.product((1, 2, 4), (False, True))]
-    cases += [(2, False, False, 0), (4, True, False, 0), (1, False, True, 3), (4, False, True, 2)]
-    for splits, ahead, one_pass, stages in cases:
+    # default); in two passes where splits merge
+    cases = [(*c, True) for c in itertools.product((1, 2, 4), (False, True))]
+    cases += [(2, False, False), (4, True, False)]
+    for splits, ahead, one_pass in cases:
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, splits, "cpu")
         with triton_kernels.switched(
             DECODE_PAGES_AHEAD=frozenset({cache.dtype}) if ahead else frozenset(),
             SPLIT_MERGE_ONE_PASS=one_pass,
-            DECODE_PIPELINE_STAGES=stages,
         ):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),
@@ -221,12 +220,11 @@ def check_decode_attention_fp8(worst: dict) -> None:
     angles = torch.randn(batch, hd // 2)
     cos, sin = (torch.cat([f(angles)] * 2, -1).bfloat16() for f in (torch.cos, torch.sin))
     pages, offsets = _new_token_slots(lengths, tables, page)
-    for ahead, stages in ((False, 0), (True, 0), (False, 3)):
+    for ahead in (False, True):
         got_cache, out = cache.clone(), torch.empty(batch, hq, hd, dtype=torch.bfloat16)
         workspace = triton_kernels.decode_workspace(batch, hkv, hq // hkv, hd, 2, "cpu")
         with triton_kernels.switched(
             DECODE_PAGES_AHEAD=frozenset({cache.dtype}) if ahead else frozenset(),
-            DECODE_PIPELINE_STAGES=stages,
         ):
             triton_kernels.decode_attention(
                 q, k, v, cos, sin, got_cache, *_paged(lengths, tables, page),

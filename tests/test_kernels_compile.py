@@ -197,7 +197,6 @@ def _decode_attention(
     fp8: bool = False,
     pages_ahead: bool | None = None,
     one_pass_merge: bool = triton_kernels.SPLIT_MERGE_ONE_PASS,
-    pipeline_stages: int = triton_kernels.DECODE_PIPELINE_STAGES,
 ):
     """The kernel as FusedDecodeAttention launches it: by default with SmolLM2-135M's heads
     (9 query heads of 64 over 3 KV heads, heads = (KV heads, group, half the head size)) for
@@ -223,7 +222,6 @@ def _decode_attention(
         "STORE_NEW": store_new,
         "PAGES_AHEAD": pages_ahead,
         "ONE_PASS_MERGE": one_pass_merge,
-        "PIPELINE_STAGES": pipeline_stages,
     }
     types = {**ATTENTION_TYPES, "cache_ptr": "*fp8e4nv" if fp8 else "*bf16"}
     return compile_sm90(triton_kernels._decode_attention_kernel, types, constexprs, 8)
@@ -255,19 +253,6 @@ def test_decode_attention_at_the_8b_heads_compiles_without_spills(fp8, pages_ahe
     conversion an element, which the bf16 products needed: 128 of them in the compiled
     kernel, 2026-12-07)."""
     kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8, pages_ahead=pages_ahead)
-    _unspilled_f16_widening(kernel, fp8, tmp_path)
-
-
-@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="this Triton build ships no cuobjdump")
-@pytest.mark.parametrize("fp8", [False, True])
-def test_decode_attention_as_a_software_pipeline_compiles_to_cp_async(fp8, tmp_path):
-    """DECODE_PIPELINE_STAGES (off by default, for benchmarks.kernels to time) at the 8B's
-    heads: Triton pipelines the loop over blocks, page list included, so the keys and values
-    travel into shared memory by cp.async of 8 or 16 bytes a thread and the page ids by
-    cp.async of 4, with no register spilled (the default loop has no cp.async at all)."""
-    kernel = _decode_attention(True, heads=(8, 4, 64), splits=1, fp8=fp8, pipeline_stages=3)
-    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global .*, (0x[0-9a-f]+)", kernel.asm["ptx"])
-    assert "0x4" in sizes and {"0x8", "0x10"} & set(sizes), sizes
     _unspilled_f16_widening(kernel, fp8, tmp_path)
 
 
