@@ -295,27 +295,25 @@ onepass)  # after fused and prefix (2026-12-07 15:12 UTC): the one-pass merge on
       2>&1 | grep -E "speedup|\"(tokens_per_s|graph_replay_ms)|rror" | tail -20
   fi
   ;;
-h200one)  # one call with little device time (2026-12-07 18:10): on an H200, issue 19's batch 64
-  # with speculation on against off, issue 18's whole benchmark on the same package, then issue
-  # 20's FP8 against bf16 (FP8 pages too) while the call has time; on an H100, the test that
-  # prefixon's limit cut
+h200one)  # one call with little device time (2026-12-07 18:30): on an H200, issue 16's target
+  # level (next: the FP8 8B through HTTP at 256 streams, then in process), then issue 19's
+  # batch 64 with speculation on against off and issue 18's whole benchmark while the call has
+  # time; on an H100, the test that prefixon's limit cut
   if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
     timeout -s INT 200 python3 -m pytest -v --tb=short -p no:cacheprovider \
       tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
     grep -hE "PASSED|FAILED|ERROR|^E " "$OUT/tests-exact.txt" | head -20
     exit 0
   fi
+  bash "$0" next
+  pkill -f " -m ranks " || true
+  [ "$SECONDS" -lt 280 ] || exit 0
   date -u +"%T speculation batch 64 (${SECONDS} s)"
   bash "$0" rest64
+  [ "$SECONDS" -lt 400 ] || exit 0
   date -u +"%T prefix cache (${SECONDS} s)"
-  timeout 200 python3 -m benchmarks.prefix_cache --package /tmp/orbit-8b-256 --device cuda \
+  timeout 150 python3 -m benchmarks.prefix_cache --package /tmp/orbit-8b-256 --device cuda \
     --out "$OUT/prefix" 2>&1 | tail -8
-  pkill -f " -m ranks " || true
-  if [ "$SECONDS" -lt 360 ]; then
-    date -u +"%T fp8 (${SECONDS} s)"
-    timeout 220 python3 -m benchmarks.fp8 --out "$OUT/fp8" --batches 1,64 --prompts 2048 --kv8 \
-      2>&1 | grep -E "^(bf16|fp8)|speedup|rror" | tail -30
-  fi
   ;;
 h200a)  # first of three calls on one machine (2026-12-07 17:50): carry [".gpu", ".gputok",
   # ".gga", ".whl"]; the GGUF's first part staged, serve's exact test (the one prefixon's 300 s
