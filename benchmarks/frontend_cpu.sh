@@ -4,7 +4,9 @@
 # and package. Run from the repository root:
 #   BASE=/path/to/older/checkout bash benchmarks/frontend_cpu.sh
 # BASE may also be a `git archive` tarball. API_SERVERS=N serves this tree with --api-servers N
-# (default: its own default). Results under $OUT (default cpu-out): sweep-new.json,
+# (default: its own default); EXTRA adds `orbit serve` arguments for this tree only (such as
+# "--stream-interval 16", which the old single process lacks); LEVELS=32,32,32 measures each
+# server over three levels of 32 streams (one by default). Results under $OUT (default cpu-out): sweep-new.json,
 # sweep-base.json and the two summaries. Give it a machine with cores to spare (the ranks, the
 # clients and the frontend each want their own): on two cores they contend and the figure
 # measures the contention.
@@ -35,10 +37,10 @@ if not tokenizer:
 make_tiny_checkpoint("llama", work / "llama", Path(tokenizer))
 EOF
 python3 -m orbit prepare "$work/llama" --tp 1 --out "$work/pkg" >/dev/null
-load=(--concurrency 32 --prompt-tokens 16 --new-tokens 128 --client-procs 2 --vocab-size 4000
+load=(--concurrency ${LEVELS:-32} --prompt-tokens 16 --new-tokens 128 --client-procs 2 --vocab-size 4000
   --gpu-busy off)
 serve_args="--device cpu --kv-pages 4096 --threads ${THREADS:-2}"
-new_args="$serve_args${API_SERVERS:+ --api-servers $API_SERVERS}"
+new_args="$serve_args${API_SERVERS:+ --api-servers $API_SERVERS}${EXTRA:+ $EXTRA}"
 python3 -m benchmarks.serving_sweep --serve "$work/pkg" --serve-args "$new_args" "${load[@]}" \
   --out "$out/sweep-new.json" 2>&1 | tail -12 | tee "$out/new.txt"
 port=$((20000 + RANDOM % 20000))
@@ -53,3 +55,14 @@ python3 -m benchmarks.serving_sweep --url "http://127.0.0.1:$port" --server-pid 
   --out "$out/sweep-base.json" 2>&1 | tail -12 | tee "$out/base.txt"
 kill -TERM $pid
 wait $pid || true
+# Each level's CPU µs per streamed token, and the medians' ratio: the issue's figure.
+python3 - "$out" <<'PY' | tee "$out/summary.txt"
+import json, statistics, sys
+levels = {}
+for name in ("new", "base"):
+    sweep = json.load(open(f"{sys.argv[1]}/sweep-{name}.json"))
+    levels[name] = [lv["frontend_cpu"]["us_per_token"] for lv in sweep["levels"]]
+    print(f"{name}: " + ", ".join(f"{v:.1f}" for v in levels[name]) + " µs/token")
+new, base = (statistics.median(levels[n]) for n in ("new", "base"))
+print(f"this tree / base, medians: {new:.1f} / {base:.1f} = {new / base:.1%}")
+PY

@@ -1,5 +1,7 @@
 """`--stream-interval N`: a sequence's tokens reach its owner in groups of N (its first token
-and its last at once), the same tokens, logprobs and finish as one at a time. Real rank
+and its last at once; every stream's groups go out on the same steps, so a stream's second
+group may be shorter while it falls in step), the same tokens, logprobs and finish as one at a
+time. Real rank
 processes (CPU) behind the engine core in this process, then a real `orbit serve` through the
 official client, stop strings included."""
 
@@ -12,6 +14,7 @@ import openai
 import pytest
 
 from benchmarks.step_overhead import engine_config, local_ranks, running_engine
+from orbit.core.engine import Sink
 from proto import core_pb2, wire_pb2
 from runtime.package import open_package
 from runtime.speculation import SpeculationConfig
@@ -81,20 +84,67 @@ def test_grouped_outputs_carry_the_same_tokens_logprobs_and_finish(pkg_path):
         assert _flat(grouped) == _flat(one)
         sizes = [len(o.token_ids) for o in grouped]
         assert all(len(o.logprobs) in (0, len(o.token_ids)) for o in grouped)
-        assert sizes[0] == 1 and all(n == 5 for n in sizes[1:-1]) and 1 <= sizes[-1] <= 5
+        assert sizes[0] == 1 and 1 <= sizes[-1] <= 5
+        assert len(sizes) < 3 or 1 <= sizes[1] <= 5 and all(n == 5 for n in sizes[2:-1])
         assert len(grouped) < len(one) or len(one) <= 2
         assert all(o.finish == core_pb2.FINISH_NONE for o in grouped[:-1])
         finishes.append(grouped[-1].finish)
-        # With speculation a step may bring several tokens: a group is 5 or more, never fewer
-        # but the first and the last; tokens and finish as one at a time, logprobs within
-        # float noise (a verification row computes them in another batch shape).
+        # With speculation a step may bring several tokens: a group goes out once it holds 5
+        # or more, or on the steps every stream's groups go out (every fifth), so there are at
+        # most two groups per five tokens besides the first and the last; tokens and finish as
+        # one at a time, logprobs within float noise (a verification row computes them in
+        # another batch shape).
         tokens, logprobs, tops, finish = _flat(speculated)
         assert (tokens, tops, finish) == (_flat(one)[0], _flat(one)[2], _flat(one)[3])
         assert logprobs == pytest.approx(_flat(one)[1], abs=1e-3)
         sizes = [len(o.token_ids) for o in speculated]
-        assert sizes[0] == 1 and all(n >= 5 for n in sizes[1:-1])
+        assert sizes[0] == 1 and len(sizes) <= 2 + 2 * -(-sum(sizes) // 5)
     assert core_pb2.FINISH_STOP in finishes and core_pb2.FINISH_LENGTH in finishes
     assert proposed > 0
+
+
+def test_streams_started_apart_send_their_groups_on_the_same_steps(pkg_path):
+    """Four streams started two steps apart: after each stream's first token, every output that
+    is neither a first token nor a last goes out on a step whose number is a multiple of the
+    interval, so the owner gets one message for all of them there, not one on each step that
+    some stream filled its group."""
+    pkg, interval = open_package(pkg_path), 4
+    sent: list[tuple[int, int, int]] = []  # (step, key, finish) of each output delivered
+
+    class Recorder(Sink):
+        def deliver(self, outputs) -> None:
+            sent.extend((engine.steps, out.seq_key, out.finish) for out in outputs.outputs)
+            sent.extend((engine.steps, key, core_pb2.FINISH_NONE) for key in outputs.next_keys)
+
+    async def main():
+        nonlocal engine
+        async with local_ranks(pkg, "cpu", 256) as link:
+            config = dataclasses.replace(
+                engine_config(pkg, overlap=True), stream_interval=interval
+            )
+            async with running_engine(config, link) as engine:
+                sink = Recorder()
+                params = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
+                for key, prompt in enumerate(PROMPTS):
+                    engine.submit(sink, key, prompt, 30, params, ignore_eos=True)
+                    start = engine.steps
+                    while engine.steps < start + 2:
+                        await asyncio.sleep(0.001)
+                while sink.live:
+                    await asyncio.sleep(0.01)
+
+    engine = None
+    asyncio.run(main())
+    firsts = {}
+    middles = 0
+    for step, key, finish in sent:
+        if key not in firsts:
+            firsts[key] = step
+        elif finish == core_pb2.FINISH_NONE:
+            assert step % interval == 0, (step, key)
+            middles += 1
+    assert len(set(firsts.values())) == len(PROMPTS)  # the streams did start apart
+    assert middles >= len(PROMPTS) * (30 // interval - 2)
 
 
 def test_a_server_streams_in_groups_and_stops_at_a_stop_string(pkg_path):

@@ -95,9 +95,10 @@ class EngineConfig:
     cache_salt: bytes = b""
     # Speculative decoding (runtime/speculation.py); None: off.
     speculation: SpeculationConfig | None = None
-    # A sequence's tokens go to its owner once this many have gathered (its first token, its
-    # last and an error at once): above 1, each API server handles and writes a stream once
-    # per that many tokens instead of every step, for less CPU per token at many streams.
+    # A sequence's tokens go to its owner once this many have gathered or on every this-many-th
+    # step (its first token, its last and an error at once): above 1, each API server gets a
+    # message and writes a stream once per that many steps instead of every step, for less
+    # CPU per token at many streams.
     stream_interval: int = 1
     # The package's prefill token buckets (capacities.prefill_chunk_sizes): the scheduler cuts
     # a step's prompt chunks to end on one where that spares padding (runtime/scheduler.py),
@@ -598,6 +599,10 @@ class Engine:
                     self._sample_failed(s)
             drafted = {s.seq_id: s.proposals for s in result.samples if s.proposals}
         owners, by_sink, interval = self._owners, {}, self.config.stream_interval
+        # Every stream's held tokens go out on the same steps (every interval-th, and a
+        # stream's first and last token at once), so that an owner gets one message per
+        # interval steps rather than one per step for whichever streams filled up in it.
+        due = self.steps % interval == 0
         for seq in self.scheduler.apply(step, tokens, drafted):
             owner = owners.get(seq.seq_id)
             if owner is None:
@@ -608,7 +613,7 @@ class Engine:
                 owner.held_samples += picked[:new] if verifies else (picked,)
             n = owner.held = owner.held + new
             first = len(seq.output_ids) == n
-            if n < interval and not first and seq.finish_reason is None:
+            if not (n and due) and n < interval and not first and seq.finish_reason is None:
                 continue
             batch = by_sink.get(owner.sink)
             if batch is None:
