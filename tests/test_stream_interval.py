@@ -119,10 +119,8 @@ def test_streams_started_apart_send_their_groups_on_the_same_steps(pkg_path):
     async def main():
         nonlocal engine
         async with local_ranks(pkg, "cpu", 256) as link:
-            config = dataclasses.replace(
-                engine_config(pkg, overlap=True), stream_interval=interval
-            )
-            async with running_engine(config, link) as engine:
+            config = dataclasses.replace(engine_config(pkg, overlap=True), stream_interval=interval)
+            async with running_engine(config, link) as engine, asyncio.timeout(120):
                 sink = Recorder()
                 params = wire_pb2.SamplingParams(temperature=0, num_logprobs=-1)
                 for key, prompt in enumerate(PROMPTS):
