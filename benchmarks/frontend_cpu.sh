@@ -6,8 +6,9 @@
 # BASE may also be a `git archive` tarball. API_SERVERS=N serves this tree with --api-servers N
 # (default: its own default); EXTRA adds `orbit serve` arguments for this tree only (such as
 # "--stream-interval 16", which the old single process lacks); LEVELS=32,32,32 measures each
-# server over three levels of 32 streams (one by default). Results under $OUT (default cpu-out): sweep-new.json,
-# sweep-base.json and the two summaries. Give it a machine with cores to spare (the ranks, the
+# server over three levels of 32 streams (one by default). Results under $OUT (default
+# cpu-out): sweep-new.json, sweep-base.json, the two summaries and summary.txt (each level's
+# µs per token and the medians' ratio). Give it a machine with cores to spare (the ranks, the
 # clients and the frontend each want their own): on two cores they contend and the figure
 # measures the contention.
 set -euo pipefail
@@ -37,8 +38,8 @@ if not tokenizer:
 make_tiny_checkpoint("llama", work / "llama", Path(tokenizer))
 EOF
 python3 -m orbit prepare "$work/llama" --tp 1 --out "$work/pkg" >/dev/null
-load=(--concurrency ${LEVELS:-32} --prompt-tokens 16 --new-tokens 128 --client-procs 2 --vocab-size 4000
-  --gpu-busy off)
+load=(--concurrency "${LEVELS:-32}" --prompt-tokens 16 --new-tokens 128 --client-procs 2
+  --vocab-size 4000 --gpu-busy off)
 serve_args="--device cpu --kv-pages 4096 --threads ${THREADS:-2}"
 new_args="$serve_args${API_SERVERS:+ --api-servers $API_SERVERS}${EXTRA:+ $EXTRA}"
 python3 -m benchmarks.serving_sweep --serve "$work/pkg" --serve-args "$new_args" "${load[@]}" \

@@ -541,9 +541,8 @@ SPLIT_MERGE_ONE_PASS = True
 @contextlib.contextmanager
 def switched(**values):
     """The variant switches above (FP8_PAGES_F16_PRODUCTS=..., DECODE_PAGES_AHEAD=...,
-    SPLIT_MERGE_ONE_PASS=...) set for the block, for the
-    benchmarks and checks that run both variants; read at launch, so a graph captured inside
-    keeps its variant."""
+    SPLIT_MERGE_ONE_PASS=...) set for the block, for the benchmarks and checks that run both
+    variants; read at launch, so a graph captured inside keeps its variant."""
     switches = globals()
     saved = {name: switches[name] for name in values}
     switches.update(values)

@@ -1,9 +1,8 @@
 """`--stream-interval N`: a sequence's tokens reach its owner in groups of N (its first token
 and its last at once; every stream's groups go out on the same steps, so a stream's second
 group may be shorter while it falls in step), the same tokens, logprobs and finish as one at a
-time. Real rank
-processes (CPU) behind the engine core in this process, then a real `orbit serve` through the
-official client, stop strings included."""
+time. Real rank processes (CPU) behind the engine core in this process, then a real `orbit
+serve` through the official client, stop strings included."""
 
 from __future__ import annotations
 
