@@ -110,9 +110,12 @@ class Sequence:
     # guesses its draw can be chained behind (Scheduler._decoding).
     plain_row: SeqChunk | None = None
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+    # its prompt and output tokens: kept by Scheduler.apply, the one place output_ids grows
+    # (read several times a sequence a step, where a property's call showed in the profile)
+    num_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_tokens = len(self.prompt_ids) + len(self.output_ids)
 
     def tokens(self, i: int, j: int) -> list[int]:
         n = len(self.prompt_ids)
@@ -580,6 +583,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
         """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
         need = self.config.pages_for(num_tokens) - len(seq.pages)
+        if need <= 0:
+            return True
         while need > self._available():
             if not preempt:
                 return False
@@ -587,9 +592,8 @@ class Scheduler:
             self._preempt(victim)
             if victim is seq:
                 return False
-        if need > 0:
-            seq.pages.extend(self._take_page() for _ in range(need))
-            self._pending_pages[seq.seq_id] = self._pending_pages.get(seq.seq_id, 0) + need
+        seq.pages.extend(self._take_page() for _ in range(need))
+        self._pending_pages[seq.seq_id] = self._pending_pages.get(seq.seq_id, 0) + need
         return True
 
     def _take_page(self) -> int:
@@ -663,6 +667,7 @@ class Scheduler:
             reason = None
             for n, token in enumerate(tokens, 1):
                 seq.output_ids.append(token)
+                seq.num_tokens += 1
                 if token in seq.stop_token_ids:
                     reason = "stop"
                 elif self._at_length(seq):
