@@ -465,6 +465,18 @@ def _finish_split(
 
 
 @triton.jit
+def _split_state(ml, acc, j, rows_ok, ok, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Split j's stored state: its rows' max and sum ([BLOCK_M]) and output halves ([BLOCK_M,
+    BLOCK_H]), read past L1 (.cg), where the other programs' stores are seen."""
+    mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+    lj = tl.load(ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+    aj = acc + j * BLOCK_M * 2 * BLOCK_H
+    a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
+    a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+    return mj, lj, a1, a2
+
+
+@triton.jit
 def _merge_two_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     """The splits' outputs and sums (o1, o2 [BLOCK_M, BLOCK_H], total [BLOCK_M]) weighted to
     their common max: the maxima in a first pass over the splits, the rest in a second."""
@@ -476,13 +488,9 @@ def _merge_two_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H
     o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for j in range(active):
-        mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        lj = tl.load(ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
+        mj, lj, a1, a2 = _split_state(ml, acc, j, rows_ok, ok, BLOCK_M, BLOCK_H)
         wj = tl.exp2(mj - m_all)
         total += wj * lj
-        aj = acc + j * BLOCK_M * 2 * BLOCK_H
-        a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
-        a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
         o1 += wj[:, None] * a1
         o2 += wj[:, None] * a2
     return o1, o2, total
@@ -498,11 +506,7 @@ def _merge_one_pass(ml, acc, rows_ok, ok, active, BLOCK_M: tl.constexpr, BLOCK_H
     o1 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     o2 = tl.zeros([BLOCK_M, BLOCK_H], tl.float32)
     for j in range(active):
-        mj = tl.load(ml + j * 2 * BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        lj = tl.load(ml + j * 2 * BLOCK_M + BLOCK_M, mask=rows_ok, other=0.0, cache_modifier=".cg")
-        aj = acc + j * BLOCK_M * 2 * BLOCK_H
-        a1 = tl.load(aj, mask=ok, other=0.0, cache_modifier=".cg")
-        a2 = tl.load(aj + BLOCK_H, mask=ok, other=0.0, cache_modifier=".cg")
+        mj, lj, a1, a2 = _split_state(ml, acc, j, rows_ok, ok, BLOCK_M, BLOCK_H)
         m_new = tl.maximum(m_all, mj)
         # a row that no split so far saw a key of (max -inf) stays empty, not nan
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
