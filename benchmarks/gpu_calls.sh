@@ -52,6 +52,20 @@ smol_package() {
     --force >/dev/null
 }
 
+# Whether this card is an H200 (the card the issues name).
+on_h200() {
+  nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200
+}
+
+# serve's exact-verification end-to-end test, stopped by SIGINT after $1 s (pytest then still
+# says what failed and why), into $OUT/tests-exact.txt.
+exact_test() {
+  pkill -f " -m ranks " || true
+  timeout -s INT "$1" python3 -m pytest -v --tb=short -p no:cacheprovider \
+    tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
+  pkill -f " -m ranks " || true
+}
+
 # The lines of gpu_serving.sh's output worth bringing back: the sweep's table, TTFT, errors.
 sweep_lines() {
   grep -E "│|TTFT ms|rror|Trace|exited${1:-}" | tail -"${2:-12}"
@@ -91,10 +105,7 @@ one)  # with too little device time for three calls: serve's tests
   grep -E "PASSED|FAILED|ERROR|^E " "$OUT/tests.txt" | head -30
   ;;
 servecuda)  # the exact end-to-end test alone (its cause prints now), then the rest of the file
-  pkill -f " -m ranks " || true
-  timeout -s INT 230 python3 -m pytest -v --tb=short -p no:cacheprovider \
-    tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
-  pkill -f " -m ranks " || true
+  exact_test 230
   timeout -s INT 330 python3 -m pytest -v --tb=short -p no:cacheprovider \
     tests/gpu/test_serve_cuda.py -k "not exact_verification" >"$OUT/tests-rest.txt" 2>&1
   grep -hE "PASSED|FAILED|ERROR|^E " "$OUT"/tests-*.txt | head -40
@@ -235,7 +246,7 @@ trimab)  # issue 16: prompt chunks cut to a token bucket (this tree) against the
   ;;
 next)  # with little device time: on an H200, issue 16's target level (the FP8 8B through HTTP
   # at 256 streams, then in process); on an H100, coreab
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  if on_h200; then
     pkg=/tmp/orbit-8b-256-fp8kv
     fp8kv_package $pkg
     PKG=$pkg PART=http LEVELS=256 SWEEP_TIMEOUT=200 OUT=$OUT/h200 bash benchmarks/gpu_serving.sh \
@@ -299,9 +310,8 @@ h200one)  # one call with little device time (2026-12-07 18:30): on an H200, iss
   # level (next: the FP8 8B through HTTP at 256 streams, then in process), then issue 19's
   # batch 64 with speculation on against off and issue 18's whole benchmark while the call has
   # time; on an H100, the test that prefixon's limit cut
-  if ! nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
-    timeout -s INT 200 python3 -m pytest -v --tb=short -p no:cacheprovider \
-      tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
+  if ! on_h200; then
+    exact_test 200
     grep -hE "PASSED|FAILED|ERROR|^E " "$OUT/tests-exact.txt" | head -20
     exit 0
   fi
@@ -319,12 +329,9 @@ h200a)  # first of three calls on one machine (2026-12-07 17:50): carry [".gpu",
   # ".gga", ".whl"]; the GGUF's first part staged, serve's exact test (the one prefixon's 300 s
   # cut at 17:41), and on an H200 issue 19's verification step of the 8B
   cp .gga/part.aa /tmp/gg/
-  pkill -f " -m ranks " || true
-  timeout -s INT 200 python3 -m pytest -v --tb=short -p no:cacheprovider \
-    tests/gpu/test_serve_cuda.py -k exact_verification >"$OUT/tests-exact.txt" 2>&1
+  exact_test 200
   grep -hE "PASSED|FAILED|ERROR|^E " "$OUT/tests-exact.txt" | head -20
-  pkill -f " -m ranks " || true
-  if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  if on_h200; then
     timeout 200 python3 -m benchmarks.speculation verify --exact-verify-max-bucket 32 \
       --out "$OUT/verify-8b-exact" 2>&1 | tail -2
   fi
