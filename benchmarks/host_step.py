@@ -97,7 +97,7 @@ def rank_ms(rows: int, steps: int) -> tuple[float, float]:
     """The rank's ms per step: (read the plan and launch, finish and serialize the result)."""
     import torch
 
-    from orbit.core.engine import _DecodeRows
+    from orbit.core.engine import write_decode_rows
     from proto import wire_pb2
     from ranks.steps import StepExecutor
     from runtime.sampling import Sampled
@@ -123,14 +123,14 @@ def rank_ms(rows: int, steps: int) -> tuple[float, float]:
     plans = []
     for step in range(steps):
         pos = 16 + step
-        decode = _DecodeRows()
+        decode = []
         for i in range(rows):  # as the engine plans them: a page every 16 tokens
             new = [i * 64 + pos // 16] if pos % 16 == 0 and pos >= 32 else []
             chunk = types.SimpleNamespace(seq=types.SimpleNamespace(seq_id=i + 1),
                                           start_pos=pos, new_pages=new)  # fmt: skip
-            decode.add(chunk)
+            decode.append(chunk)
         plan = wire_pb2.StepPlan(step_id=step + 2)
-        decode.write(plan)
+        write_decode_rows(plan, decode)
         plans.append(wire_pb2.ToRank(step=plan).SerializeToString())
     launch_s = finish_s = 0.0
     for data in plans:

@@ -362,14 +362,32 @@ class GpuSampler:
 
 
 def proc_stat(pid: str) -> tuple[int, float] | None:
-    """(parent pid, user + system CPU seconds) from /proc/PID/stat; None if it is gone."""
+    """(parent pid, CPU seconds) of a process; None if it is gone. The CPU time is its live
+    threads' time on a CPU in nanoseconds (/proc/PID/task/TID/schedstat) where the kernel keeps
+    it, else user + system time from /proc/PID/stat, counted in 10 ms ticks: a level of the
+    CPU figure's 0.25 CPU-seconds resolved only ±4% in ticks. (A thread that exited between two
+    readings is missed by the first; the frontends' threads live as long as their process.)"""
     try:
         with open(f"/proc/{pid}/stat") as f:
             data = f.read()
     except OSError:
         return None
     fields = data[data.rindex(")") + 2 :].split()  # from field 3 (state) on
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
+    ticks_s = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS_PER_S
+    return int(fields[1]), _run_ns(pid) / 1e9 if SCHEDSTAT else ticks_s
+
+
+def _run_ns(pid: str) -> int:
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            path = f"/proc/{pid}/task/{tid}/schedstat"
+            with contextlib.suppress(OSError, ValueError), open(path) as f:
+                total += int(f.read().split()[0])
+    return total
+
+
+SCHEDSTAT = os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat")
 
 
 def _cmdline(pid: int) -> list[str]:

@@ -103,6 +103,8 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     page_keys: list[bytes] = field(default_factory=list)  # prefix keys of its first full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
+    # Computed tokens below which no page can have filled since the last _register (0: look)
+    next_full_page: int = 0
     spec: SpecState | None = None  # its speculative decoding, when on and it has no grammar
     new_tokens: int = 0  # output tokens the last apply() gave it
     verifying: list[SeqChunk] = field(default_factory=list)  # its verification rows in flight
@@ -285,6 +287,11 @@ class Scheduler:
         for i, seq in enumerate(decoding):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an older one
+            if seq.spec is None:  # one token, as the general path below plans it, made cheap
+                if self._reserve(seq, seq.num_computed + 1, preempt=True):  # (every step, for
+                    chunks.append(self._chunk(seq, 1, step_id))  # every decoding sequence)
+                    budget -= 1
+                continue
             # Room for proposals: each decode keeps one token of the budget and one sampling
             # row, and the step samples at most max_batch rows.
             later = len(decoding) - i
@@ -403,7 +410,7 @@ class Scheduler:
             return False
         cache.hold(pages)  # out of the idle list: the reservation that follows cannot evict them
         seq.pages = list(pages)
-        seq.num_registered = len(pages)
+        seq.num_registered, seq.next_full_page = len(pages), 0
         seq.num_computed = len(pages) * ps
         self._pending_pages[seq.seq_id] = len(pages)
         return True
@@ -422,13 +429,21 @@ class Scheduler:
         # With other sequences in the step, a wait costs the sequence the step, as a wrong guess
         # does; alone, it costs only the host's round trip
         alone = len(self.running) == 1
+        max_seq_len = self.config.max_seq_len
         for s in self.running:
-            if not s.num_computed or self._ends_when_applied(s):
+            # Not one whose tokens that steps in flight sample end it by length: planning its
+            # next token would only waste a row.
+            ahead = s.num_tokens + s.pending  # (with num_computed: _uncomputed, written out)
+            if (
+                not s.num_computed
+                or len(s.output_ids) + s.pending >= s.max_tokens
+                or ahead >= max_seq_len
+            ):
                 continue
             if s.verifying:  # (a chain is one deep: two steps in flight at most)
                 if len(s.verifying) == 1 and s.pending == 1:
                     out.append(s)
-            elif self._uncomputed(s) == 1:
+            elif ahead - s.num_computed == 1:
                 if s.pending and s.spec is not None and self._waits_to_propose(s):
                     if self._guesses(s, alone):
                         s.verifying.append(s.plain_row)  # _chain guesses the row's draw
@@ -536,24 +551,21 @@ class Scheduler:
         chunk.draft, spec.awaiting_draft = k, True
 
     def _prefill_candidates(self) -> list[Sequence]:
-        partial = [s for s in self.running if self._uncomputed(s) > 1 or not s.num_computed]
+        partial = [
+            s  # (_uncomputed, written out: this runs for every sequence every step)
+            for s in self.running
+            if s.num_tokens + s.pending - s.num_computed > 1 or not s.num_computed
+        ]
         return partial + list(self.waiting)
 
     @staticmethod
     def _uncomputed(seq: Sequence) -> int:
         return seq.num_tokens + seq.pending - seq.num_computed
 
-    def _ends_when_applied(self, seq: Sequence) -> bool:
-        """Whether the tokens that steps in flight sample end seq by length, so that planning
-        its next token would only waste a row."""
-        return (
-            len(seq.output_ids) + seq.pending >= seq.max_tokens
-            or seq.num_tokens + seq.pending >= self.config.max_seq_len
-        )
-
     def _chunk(self, seq: Sequence, n: int, step_id: int, proposals=()) -> SeqChunk:
         first = not seq.on_rank
-        new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
+        added = self._pending_pages.pop(seq.seq_id, 0) if self._pending_pages else 0
+        new_pages = seq.pages[len(seq.pages) - added :] if added else []
         seq.on_rank = True
         start, seq.num_computed = seq.num_computed, seq.num_computed + n
         follows = start >= seq.num_tokens  # its token is sampled by a step not yet applied
@@ -561,7 +573,8 @@ class Scheduler:
         sample = seq.num_computed >= seq.num_tokens + seq.pending
         if sample:
             seq.pending += 1
-        self._register(seq, step_id)
+        if self.cache is not None and seq.num_computed >= seq.next_full_page:
+            self._register(seq, step_id)
         chunk = SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
         if proposals:
             chunk.proposals = list(proposals)
@@ -569,20 +582,22 @@ class Scheduler:
 
     def _register(self, seq: Sequence, step_id: int) -> None:
         """Offer the prefix cache seq's pages that are full of known, planned tokens; step_id
-        is the last step that computes any of them."""
+        is the last step that computes any of them. Callers may skip it while both counts are
+        below seq.next_full_page, where no page can have filled."""
         if self.cache is None:
             return
-        full = min(seq.num_computed, seq.num_tokens) // self.config.page_size
-        if full <= seq.num_registered:
-            return
-        self.cache.extend_keys(seq.page_keys, seq.tokens, full)
-        for i in range(seq.num_registered, full):
-            self.cache.register(seq.pages[i], seq.page_keys[i], step_id)
-        seq.num_registered = full
+        ps = self.config.page_size
+        full = min(seq.num_computed, seq.num_tokens) // ps
+        if full > seq.num_registered:
+            self.cache.extend_keys(seq.page_keys, seq.tokens, full)
+            for i in range(seq.num_registered, full):
+                self.cache.register(seq.pages[i], seq.page_keys[i], step_id)
+            seq.num_registered = full
+        seq.next_full_page = (seq.num_registered + 1) * ps
 
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
         """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
-        need = self.config.pages_for(num_tokens) - len(seq.pages)
+        need = -(-num_tokens // self.config.page_size) - len(seq.pages)  # (pages_for, inline)
         if need <= 0:
             return True
         while need > self._available():
@@ -622,7 +637,7 @@ class Scheduler:
             if self.cache is None or not self.cache.release(page):
                 self.free_pages.append(page)
         seq.pages = []
-        seq.num_registered = 0
+        seq.num_registered = seq.next_full_page = 0
         self._pending_pages.pop(seq.seq_id, None)
         if seq.on_rank:
             self._released.append(seq.seq_id)
@@ -646,12 +661,18 @@ class Scheduler:
         applied in the order they were scheduled. Returns the sequences that got tokens
         (`new_tokens` of them), with finish_reason set on those that are done."""
         updated = []
-        for c in step.sampling_chunks:
+        max_seq_len, cache = self.config.max_seq_len, self.cache
+        for c in step.chunks:
             seq = c.seq
-            if c.void or seq.status is not Status.RUNNING or c.incarnation != seq.num_preemptions:
+            if (
+                not c.sample
+                or c.void
+                or seq.status is not Status.RUNNING
+                or c.incarnation != seq.num_preemptions
+            ):
                 continue  # void, finished, aborted or preempted since the step was planned
             seq.pending -= 1
-            if c.verifies:
+            if c.proposals or c.guess is not None:  # (c.verifies)
                 drawn = sampled[seq.seq_id]
                 tokens = self._verified(c, [drawn] if isinstance(drawn, int) else drawn)
             else:
@@ -664,13 +685,13 @@ class Scheduler:
                         seq.spec.guessed(tokens[0] == seq.spec.expected)
                         seq.spec.expected = None
             updated.append(seq)
-            reason = None
+            reason, output = None, seq.output_ids
             for n, token in enumerate(tokens, 1):
-                seq.output_ids.append(token)
+                output.append(token)
                 seq.num_tokens += 1
                 if token in seq.stop_token_ids:
                     reason = "stop"
-                elif self._at_length(seq):
+                elif len(output) >= seq.max_tokens or seq.num_tokens >= max_seq_len:
                     reason = "length"
                 if reason:
                     break
@@ -678,7 +699,8 @@ class Scheduler:
             if c.draft:
                 seq.spec.awaiting_draft = False
                 seq.spec.drafted = list((drafted or {}).get(seq.seq_id, ()))
-            self._register(seq, self._next_step_id - 1)  # planned by a step already sent
+            if cache is not None and seq.num_computed >= seq.next_full_page:
+                self._register(seq, self._next_step_id - 1)  # planned by a step already sent
             if reason:
                 self._finish(seq, reason)
         return updated
@@ -700,9 +722,6 @@ class Scheduler:
         seq.num_computed = c.start_pos + 1
         self.spec_proposed += 1 + len(chained.proposals)
         seq.spec.missed()
-
-    def _at_length(self, seq: Sequence) -> bool:
-        return len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_seq_len
 
     def _verified(self, c: SeqChunk, drawn: list[int]) -> list[int]:
         """A verification row's new tokens: the proposals equal to the draws before them, then

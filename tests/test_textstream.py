@@ -479,14 +479,44 @@ def test_feed_many_releases_what_feed_does_with_each_tokens_offset(tokenizers_by
         assert many.finish() == one.finish() and many.text == one.text
 
 
+@pytest.mark.parametrize("name", sorted(DECODE_STREAM_USED))
+def test_feed_many_without_offsets_or_stops_releases_what_feed_does(tokenizers_by_name, name):
+    """Such a stream decodes each feed_many() in one DecodeStream call where the library takes
+    lists: the same text as token by token, wherever decode() is stable."""
+    tok = tokenizers_by_name[name]
+    rng = random.Random(f"lists-{name}")
+    checked = 0
+    for ids in random_id_sequences(tok, rng, 40):
+        if not decode_ends_stable(tok, ids):
+            continue
+        one = TextStream(tok)
+        for token_id in ids:
+            one.feed(token_id)
+        many = TextStream(tok, offsets=False)
+        start, counts = 0, []
+        while start < len(ids):
+            chunk = ids[start : start + rng.randint(1, 20)]
+            before = many.text
+            out = many.feed_many(chunk)
+            assert many.text == before + out
+            counts.append(many.fed_count)
+            start += len(chunk)
+        assert sum(counts) == len(ids)
+        assert many.finish() == one.finish() and many.text == one.text, ids
+        with pytest.raises(ValueError, match="offsets=False"):
+            _ = many.fed_offsets
+        checked += 1
+    assert checked >= 20
+
+
 def test_feed_many_stops_mid_call_and_reports_the_tokens_consumed(tokenizer):
     ids = encode(tokenizer, "one two three four five")
     stream = TextStream(tokenizer, ["three"])
     out = stream.feed_many(ids)
     _, consumed, _ = run_stream(tokenizer, ids, ["three"])
     assert out == "one two " and stream.stopped
-    assert len(stream.fed_offsets) == consumed < len(ids)
-    assert stream.feed_many(ids) == "" and stream.fed_offsets == []
+    assert len(stream.fed_offsets) == stream.fed_count == consumed < len(ids)
+    assert stream.feed_many(ids) == "" and stream.fed_offsets == [] and stream.fed_count == 0
 
 
 def test_token_bytes_reassemble_the_text(tokenizer):

@@ -16,10 +16,10 @@ import time
 from collections.abc import Callable
 
 import zmq
-import zmq.asyncio
 
 from orbit.core.engine import Engine, Refused, Sink
 from proto import core_pb2
+from runtime.zmq_reader import LoopReader
 
 log = logging.getLogger("orbit.core")
 
@@ -54,8 +54,9 @@ class ApiLink:
         """endpoint: ipc://PATH in a folder only this user can open. core_metrics: the core's
         own Prometheus text, appended to the API servers' merged metrics."""
         self.engine, self.endpoint, self.core_metrics = engine, endpoint, core_metrics
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
+        self._reader = LoopReader(self.sock, self._take)
         self._tasks: list[asyncio.Task] = []
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
@@ -73,24 +74,19 @@ class ApiLink:
         self._greeted_pids: set[int] = set()
 
     def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_forever()), loop.create_task(self._status())]
+        self._reader.start()
+        self._tasks = [asyncio.get_running_loop().create_task(self._status())]
 
     def send(self, sink: ApiServerSink, msg: core_pb2.ToApiServer) -> None:
-        # The asyncio socket reports a failed send on the future it returns, never by raising:
-        # a non-blocking send is done at once, anything else once it has gone or failed.
-        sent = self.sock.send_multipart([sink.identity, msg.SerializeToString()], flags=zmq.NOBLOCK)
-        if sent.done():
-            self._check_sent(sink, sent)
-        else:
-            sent.add_done_callback(lambda f: self._check_sent(sink, f))
-
-    def _check_sent(self, sink: ApiServerSink, sent: asyncio.Future) -> None:
-        e = None if sent.cancelled() else sent.exception()
-        if e is not None and self.sinks.get(sink.identity) is sink:
-            # gone (EHOSTUNREACH) or not reading (EAGAIN at the high-water mark)
-            log.error("API server %s cannot be reached (%s); dropping it", _name(sink), e)
-            self.forget(sink.identity)
+        try:
+            self.sock.send_multipart([sink.identity, msg.SerializeToString()], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            if self.sinks.get(sink.identity) is sink:
+                # gone (EHOSTUNREACH) or not reading (EAGAIN at the high-water mark)
+                log.error("API server %s cannot be reached (%s); dropping it", _name(sink), e)
+                self.forget(sink.identity)
+        finally:
+            self._reader.after_send()
 
     def forget(self, identity: bytes) -> None:
         """An API server is gone: abort its sequences."""
@@ -113,23 +109,21 @@ class ApiLink:
         texts = [s.metrics_text for s in self.sinks.values() if s.metrics_text]
         return merge_prometheus(texts) + self.core_metrics()
 
-    async def _read_forever(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart()
-            if len(frames) != 2:
-                self.dropped_messages += 1
-                continue
-            msg = core_pb2.FromApiServer()
-            try:
-                msg.ParseFromString(frames[1])
-            except Exception:  # noqa: BLE001 - a malformed message is dropped, never interpreted
-                self.dropped_messages += 1
-                continue
-            try:
-                self._handle(frames[0], msg)
-            except Exception:  # the reader must outlive any one message
-                log.exception("a message from API server %r could not be handled", frames[0])
-                self.dropped_messages += 1
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) != 2:
+            self.dropped_messages += 1
+            return
+        identity, msg = frames[0].bytes, core_pb2.FromApiServer()
+        try:
+            msg.ParseFromString(frames[1].bytes)
+        except Exception:  # noqa: BLE001 - a malformed message is dropped, never interpreted
+            self.dropped_messages += 1
+            return
+        try:
+            self._handle(identity, msg)
+        except Exception:  # the reader must outlive any one message
+            log.exception("a message from API server %r could not be handled", identity)
+            self.dropped_messages += 1
 
     def _handle(self, identity: bytes, msg: core_pb2.FromApiServer) -> None:
         kind = msg.WhichOneof("kind")
@@ -196,6 +190,7 @@ class ApiLink:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self._reader.stop()
         self.sock.close(linger=0)
         self.ctx.term()
 

@@ -512,13 +512,16 @@ class Engine:
             return False
         plan = wire_pb2.StepPlan(step_id=step.step_id, release_seq_ids=step.released)
         planned_s = time.monotonic()
-        rows = _DecodeRows()
+        rows = []
         for chunk in step.chunks:
+            # A row the plan carries packed (wire.proto DecodeRows): it follows a sample, draws
+            # once, asks for no draft tokens, and its sequence is known to the ranks. Nothing
+            # in it can fail (write_decode_rows).
+            if chunk.follows_sample and chunk.sample and not chunk.draft and not chunk.is_new:
+                rows.append(chunk)
+                continue
             try:
-                if _is_decode_row(chunk):
-                    rows.add(chunk)
-                else:
-                    _add_chunk(plan, chunk)
+                _add_chunk(plan, chunk)
             except Exception as e:  # this sequence alone fails
                 log.exception("planning sequence %d failed", chunk.seq.seq_id)
                 self._fail_sequence(
@@ -529,7 +532,8 @@ class Engine:
             owner = self._owners.get(chunk.seq.seq_id) if chunk.is_new else None
             if owner is not None and owner.planned_s is None:
                 owner.planned_s = planned_s
-        rows.write(plan)
+        if rows:
+            write_decode_rows(plan, rows)
         busy = bool(in_flight)
         if not busy and self._after_result and self.config.speculation is not None:
             self._sent_on_result.add(step.step_id)
@@ -583,7 +587,7 @@ class Engine:
         return step, result
 
     def _deliver(self, step: Step, result: wire_pb2.StepResult) -> None:
-        verifies = step.verifies
+        verifies = self.config.speculation is not None and step.verifies  # (none without)
         if result.sample_seq_ids:  # tokens alone, packed: no logprobs, errors or proposals
             samples, drafted = {}, {}
             pairs = zip(result.sample_seq_ids, result.sample_token_ids, strict=True)
@@ -705,36 +709,18 @@ def _verification_tokens(pairs) -> dict:
     return {seq_id: ts if len(ts) > 1 else ts[0] for seq_id, ts in by_seq.items()}
 
 
-def _is_decode_row(c) -> bool:
-    """A row the plan carries packed (wire.proto DecodeRows): it follows a sample, draws once,
-    asks for no draft tokens, and its sequence is known to the ranks."""
-    return c.follows_sample and c.sample and not c.draft and not c.is_new
-
-
-class _DecodeRows:
-    """A plan's packed decode rows, gathered as plain lists and written in one go: one
-    protobuf call per list rather than one message per row."""
-
-    def __init__(self):
-        self.seq_ids, self.start_pos, self.page_rows, self.new_pages = [], [], [], []
-
-    def add(self, c) -> None:
-        # Nothing here can be out of the wire's range (positions below max_seq_len, pages
-        # below the pool's size), as for a decode row's SeqStep in _add_chunk.
-        row = len(self.seq_ids)
-        self.seq_ids.append(c.seq.seq_id)
-        self.start_pos.append(c.start_pos)
-        if c.new_pages:
-            self.page_rows += [row] * len(c.new_pages)
-            self.new_pages += c.new_pages
-
-    def write(self, plan: wire_pb2.StepPlan) -> None:
-        if self.seq_ids:
-            d = plan.decode
-            d.seq_ids.extend(self.seq_ids)
-            d.start_pos.extend(self.start_pos)
-            d.page_rows.extend(self.page_rows)
-            d.new_pages.extend(self.new_pages)
+def write_decode_rows(plan: wire_pb2.StepPlan, rows: list) -> None:
+    """A plan's packed decode rows (chunks, in the step's order), one protobuf call per field
+    rather than one message per row. Nothing here can be out of the wire's range (positions
+    below max_seq_len, pages below the pool's size), as for a decode row's SeqStep in
+    _add_chunk."""
+    d = plan.decode
+    d.seq_ids.extend([c.seq.seq_id for c in rows])
+    d.start_pos.extend([c.start_pos for c in rows])
+    for row, c in enumerate(rows):
+        if c.new_pages:  # about one row in page_size a step
+            d.page_rows.extend([row] * len(c.new_pages))
+            d.new_pages.extend(c.new_pages)
 
 
 def _add_chunk(plan: wire_pb2.StepPlan, c) -> None:

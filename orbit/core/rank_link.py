@@ -5,8 +5,9 @@ machine could otherwise connect and speak for a rank. A message's rank is the on
 authenticated the connection (ZeroMQ's User-Id), never a field of the message body; a message
 that is malformed, unauthenticated or claims another rank is dropped and counted.
 
-A background reader takes every message from the ranks: step results resolve the step's
-future, heartbeats refresh each rank's last-seen time, and a Failure fails everything waiting.
+The event loop's reader callback takes every message from the ranks (runtime/zmq_reader.py):
+step results resolve the step's future, heartbeats refresh each rank's last-seen time, and a
+Failure fails everything waiting.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from zmq.auth.asyncio import AsyncioAuthenticator
 
 from proto import wire_pb2
 from runtime.curve import ServerKeys, require_curve, secure_server
+from runtime.zmq_reader import LoopReader
 
 MAX_MESSAGE_BYTES = 64 << 20
 HEARTBEAT_SILENCE_S = 5.0  # five missed one-second heartbeats
@@ -67,10 +69,10 @@ class RankLink:
         self.package_digest = package_digest
         self._rank_of_user = curve.rank_of_user
         require_curve()
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.asyncio.Context()  # (for the authenticator, an asyncio task)
         self.auth = AsyncioAuthenticator(self.ctx)
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self._reader: asyncio.Task | None = None
+        self.sock = zmq.Socket(self.ctx, zmq.ROUTER)  # plain: LoopReader reads it
+        self._reader = LoopReader(self.sock, self._take)
         try:
             self.auth.start()
             self.auth.configure_curve(domain="*", location=str(curve.allowed_dir))
@@ -94,7 +96,7 @@ class RankLink:
         self.reported_failures: set[int] = set()  # ranks that sent a Failure
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_forever())
+        self._reader.start()
 
     @property
     def num_kv_pages(self) -> int:
@@ -122,7 +124,7 @@ class RankLink:
         while waiting and time.monotonic() < deadline:
             for r in sorted(waiting):
                 try:
-                    await self.sock.send_multipart([_identity(r), data], flags=zmq.NOBLOCK)
+                    self._send(r, data)
                     waiting.discard(r)
                 except zmq.ZMQError:
                     pass  # not reconnected yet; ZeroMQ retries the connection on its side
@@ -163,7 +165,11 @@ class RankLink:
         self._pending[plan.step_id] = (fut, [None] * self.tp_size)
         data = wire_pb2.ToRank(step=plan).SerializeToString()
         for r in range(self.tp_size):
-            self.sock.send_multipart([_identity(r), data]).add_done_callback(self._check_sent)
+            try:
+                self._send(r, data)
+            except zmq.ZMQError as e:  # gone (ROUTER_MANDATORY), or a full queue: a hung rank
+                self.fail(RankFailure(f"cannot send to rank {r}: {e}", r))
+                break
         return fut
 
     async def result(
@@ -186,9 +192,13 @@ class RankLink:
         elif not fut.cancelled():
             fut.exception()  # retrieved, so asyncio does not log it as lost
 
-    def _check_sent(self, sent: asyncio.Future) -> None:
-        if not sent.cancelled() and sent.exception() is not None:
-            self.fail(RankFailure(f"cannot send to a rank: {sent.exception()}"))
+    def _send(self, rank: int, data: bytes) -> None:
+        """Queue a message for a rank without waiting; raises zmq.ZMQError where ZeroMQ cannot
+        take it (a rank not connected, or a thousand messages queued for it)."""
+        try:
+            self.sock.send_multipart([_identity(rank), data], flags=zmq.NOBLOCK)
+        finally:
+            self._reader.after_send()
 
     def silent_ranks(self, silence_s: float) -> list[int]:
         """Ranks heard from before but not for silence_s. Ranks heartbeat every second from a
@@ -203,18 +213,16 @@ class RankLink:
             if not fut.done():
                 fut.set_exception(self.failure)
 
-    async def _read_forever(self) -> None:
-        while True:
-            frames = await self.sock.recv_multipart(copy=False)
-            parsed = self._parse(frames)
-            if parsed is None:
-                self.dropped_messages += 1
-                continue
-            try:
-                self._handle(*parsed)
-            except Exception:  # the reader must outlive any one message
-                log.exception("a message from rank %d could not be handled", parsed[0])
-                self.dropped_messages += 1
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        parsed = self._parse(frames)
+        if parsed is None:
+            self.dropped_messages += 1
+            return
+        try:
+            self._handle(*parsed)
+        except Exception:  # the reader must outlive any one message
+            log.exception("a message from rank %d could not be handled", parsed[0])
+            self.dropped_messages += 1
 
     def _parse(self, frames: list[zmq.Frame]) -> tuple[int, str, object] | None:
         """(authenticated rank, kind, body) of a well-formed message, or None to drop it."""
@@ -273,7 +281,7 @@ class RankLink:
         data = wire_pb2.ToRank(shutdown=wire_pb2.Shutdown(reason=reason)).SerializeToString()
         for r in range(self.tp_size):
             try:
-                await self.sock.send_multipart([_identity(r), data], flags=zmq.NOBLOCK)
+                self._send(r, data)
             except zmq.ZMQError:
                 pass  # that rank never connected or is gone
 
@@ -282,8 +290,7 @@ class RankLink:
         garbage collector takes it: pyzmq's Context.__del__ closes the sockets it still knows
         through weak references, which the collector clears first in a reference cycle, then
         waits in term() for the socket it no longer sees."""
-        if self._reader:
-            self._reader.cancel()
+        self._reader.stop()
         self.sock.close(linger=0)
         self.auth.stop()
         self.ctx.term()

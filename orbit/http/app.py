@@ -284,11 +284,14 @@ class _ClientGone(Exception):
 
 @dataclass(frozen=True)
 class ChoiceDelta:
-    """New text of one choice and the tokens it covers; the last one has a finish_reason."""
+    """New text of one choice and the number of tokens it covers, with those tokens when the
+    choice asked for logprobs (the only use of each one's id, logprobs and offset: a choice
+    without them makes no object per token); the last one has a finish_reason."""
 
     index: int
     text: str
-    tokens: list[GeneratedToken]
+    num_tokens: int
+    tokens: list[GeneratedToken]  # [] without logprobs
     finish_reason: str | None
     tool_calls: tuple[dict, ...] = ()  # tool-call deltas (tool_calls.py)
 
@@ -296,12 +299,14 @@ class ChoiceDelta:
 @dataclass
 class _ChoiceResult:
     text: str = ""
-    tokens: list[GeneratedToken] = field(default_factory=list)
+    num_tokens: int = 0
+    tokens: list[GeneratedToken] = field(default_factory=list)  # with logprobs
     finish_reason: str | None = None
     tool_calls: list[dict] = field(default_factory=list)
 
     def add(self, delta: ChoiceDelta) -> None:
         self.text += delta.text
+        self.num_tokens += delta.num_tokens
         self.tokens += delta.tokens
         self.tool_calls += delta.tool_calls
         self.finish_reason = delta.finish_reason or self.finish_reason
@@ -592,11 +597,13 @@ class _Frontend:
         """One engine sequence as deltas, at most one per step; closing this generator aborts
         the sequence."""
         plan = call.plan
-        text_stream = TextStream(self.engine.tokenizer, plan.stop)
+        logprobs = plan.params[index].logprobs is not None
+        text_stream = TextStream(self.engine.tokenizer, plan.stop, offsets=logprobs)
         prompt_ids = plan.prompt_of(index)
         outputs = self.engine.generate(f"{call.id}-{index}", prompt_ids, plan.params[index])
         timer = _TokenTimer(self.metrics, started_s)
         tokens: list[GeneratedToken] = []
+        num_tokens = 0
         first = first_output = True
         try:
             async for out in outputs:
@@ -609,7 +616,9 @@ class _Frontend:
                         call.first_token[index] = _first_token_parts(out.first_token, started_s)
                 timer.tick(len(out.token_ids))
                 text = text_stream.feed_many(out.token_ids)
-                tokens += _generated(out, text_stream.fed_offsets)
+                num_tokens += text_stream.fed_count
+                if logprobs:
+                    tokens += _generated(out, text_stream.fed_offsets)
                 finish = _finish(text_stream, out.finish)
                 if finish and not text_stream.stopped:
                     text += text_stream.finish()
@@ -617,8 +626,8 @@ class _Frontend:
                 # The first token goes out at once even without text (a partial character, an
                 # id the tokenizer lacks), so the client's time to first token is the engine's.
                 if text or finish or first:
-                    yield ChoiceDelta(index, text, tokens, finish)
-                    tokens, first = [], False
+                    yield ChoiceDelta(index, text, num_tokens, tokens, finish)
+                    tokens, num_tokens, first = [], 0, False
                 if finish:
                     return
             raise EngineError("the engine ended a sequence without a finish reason")
@@ -634,7 +643,7 @@ class _Frontend:
             call.fmt.choice(i, r.text, r.tokens, r.finish_reason, merge_deltas(r.tool_calls))
             for i, r in enumerate(results)
         ]
-        completion_tokens = sum(len(r.tokens) for r in results)
+        completion_tokens = sum(r.num_tokens for r in results)
         note_tokens(request.state, tokens_out=completion_tokens)
         if 0 in call.first_token:
             note_first_token(request.state, *call.first_token[0])
@@ -659,14 +668,14 @@ class _Frontend:
     ) -> AsyncIterator[str]:
         """The stream's events: `first` (taken before the headers went out), then the rest of
         `deltas`, each as it comes."""
-        completion_tokens = len(first.tokens)
+        completion_tokens = first.num_tokens
         ended = False
         try:
             for choice in call.fmt.opening_choices(len(call.plan.params)):
                 yield call.chunk([choice])
             yield _delta_chunk(call, first)
             async for d in deltas:
-                completion_tokens += len(d.tokens)
+                completion_tokens += d.num_tokens
                 yield _delta_chunk(call, d)
             if call.plan.include_usage:
                 yield call.chunk([], usage=call.usage(completion_tokens))
@@ -741,10 +750,10 @@ def _first_token_parts(
 
 
 def _generated(out: core_pb2.SeqOutput, text_offsets: list[int]) -> list[GeneratedToken]:
-    """The tokens of one output that the text stream consumed (all but those after a stop
-    string), with their logprobs when the sequence asked for them."""
+    """The tokens of one output of a choice with logprobs that the text stream consumed (all
+    but those after a stop string), with their logprobs."""
     ids = out.token_ids
-    if not out.logprobs:  # (most requests: one token per step, read once from the message)
+    if not out.logprobs:  # (none came with these tokens)
         return [GeneratedToken(ids[j], None, (), offset) for j, offset in enumerate(text_offsets)]
     return [
         GeneratedToken(

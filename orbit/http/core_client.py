@@ -2,8 +2,8 @@
 
 `generate` sends a sequence to the core and yields what the core sends back for it, one
 `SeqOutput` per step (the new tokens, logprobs when asked, and on the last one the finish
-reason), or one for all the steps that arrived while the stream was busy; a reader task
-routes each step's message to the sequences' queues. A sequence that the core refused or
+reason), or one for all the steps that arrived while the stream was busy; the event loop's
+reader callback (runtime/zmq_reader.py) routes each step's message to the sequences' queues. A sequence that the core refused or
 ended with an error raises the matching exception below. The core's status
 arrives when it changes and every second: when it has been silent for CORE_SILENCE_S the core
 counts as dead, every sequence ends with EngineError and the server is not ready.
@@ -23,10 +23,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import zmq
-import zmq.asyncio
 
 from proto import core_pb2, wire_pb2
 from proto.outputs import seq_outputs
+from runtime.zmq_reader import LoopReader
 
 log = logging.getLogger("orbit.http")
 
@@ -151,8 +151,9 @@ class CoreClient:
         tokenizer and max_seq_len: the served package's, for the HTTP layer."""
         self.endpoint, self.index, self._own_metrics = endpoint, index, metrics_text
         self.tokenizer, self.max_seq_len = tokenizer, max_seq_len
-        self.ctx = zmq.asyncio.Context()
+        self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
+        self._reader = LoopReader(self.sock, self._take)
         self.sock.setsockopt(zmq.IDENTITY, f"api-{index}-{os.getpid()}".encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -169,8 +170,8 @@ class CoreClient:
         self.sock.connect(self.endpoint)
         hello = core_pb2.ApiHello(api_server=self.index, pid=os.getpid())
         self._send(core_pb2.FromApiServer(hello=hello))
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._read_forever()), loop.create_task(self._watch())]
+        self._reader.start()
+        self._tasks = [asyncio.get_running_loop().create_task(self._watch())]
 
     def is_ready(self) -> bool:
         return self._status.ready and not self._dead
@@ -251,6 +252,7 @@ class CoreClient:
     def close(self) -> None:
         for task in self._tasks:
             task.cancel()
+        self._reader.stop()
         self.sock.close(linger=0)
         self.ctx.term()
 
@@ -269,36 +271,31 @@ class CoreClient:
     def _send(self, msg: core_pb2.FromApiServer) -> None:
         """Queue msg for the core; raises zmq.ZMQError when the link takes no more now (the
         core stopped reading and the queue reached its high-water mark)."""
-        sent = self.sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
-        # The asyncio socket reports a failed send on the future it returns, never by raising;
-        # a non-blocking send is done at once.
-        if not sent.done():
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())
-        elif sent.exception() is not None:
-            raise sent.exception()
+        try:
+            self.sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
+        finally:
+            self._reader.after_send()
 
     def _send_status(self) -> None:
         status = core_pb2.ApiStatus(metrics_text=self._own_metrics())
         with contextlib.suppress(zmq.ZMQError):
             self._send(core_pb2.FromApiServer(status=status))
 
-    async def _read_forever(self) -> None:
-        while True:
-            data = await self.sock.recv()
-            msg = core_pb2.ToApiServer()
-            try:
-                msg.ParseFromString(data)
-            except Exception:  # noqa: BLE001 - a malformed message is dropped, never interpreted
-                continue
-            kind = msg.WhichOneof("kind")
-            if kind == "outputs":
-                self._put_outputs(msg.outputs)
-            elif kind == "status":
-                self._status, self._status_at = msg.status, time.monotonic()
-            elif kind == "metrics":
-                reply = self._queries.get(msg.metrics.query_id)
-                if reply is not None and not reply.done():
-                    reply.set_result(msg.metrics.text)
+    def _take(self, frames: list[zmq.Frame]) -> None:
+        msg = core_pb2.ToApiServer()
+        try:
+            msg.ParseFromString(frames[-1].bytes)
+        except Exception:  # noqa: BLE001 - a malformed message is dropped, never interpreted
+            return
+        kind = msg.WhichOneof("kind")
+        if kind == "outputs":
+            self._put_outputs(msg.outputs)
+        elif kind == "status":
+            self._status, self._status_at = msg.status, time.monotonic()
+        elif kind == "metrics":
+            reply = self._queries.get(msg.metrics.query_id)
+            if reply is not None and not reply.done():
+                reply.set_result(msg.metrics.text)
 
     def _put_outputs(self, step: core_pb2.StepOutputs) -> None:
         by_key = self._outputs

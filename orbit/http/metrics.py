@@ -79,10 +79,11 @@ class Histogram:
         self._sum = 0.0
         self.count = 0
 
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self._sum += value
-        self.count += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        """Count value `times` times (tokens that arrived together share their interval)."""
+        self._counts[bisect.bisect_left(self._bounds, value)] += times
+        self._sum += value * times
+        self.count += times
 
     def render(self) -> list[str]:
         lines = _header(self.name, self.help_text, "histogram")
@@ -187,11 +188,10 @@ class FrontendMetrics:
         the monotonic clock, when the caller has read it."""
         if first:
             self.ttft.observe(since_previous_s)
-            for _ in range(num_tokens - 1):
-                self.itl.observe(0.0)
-        else:
-            for _ in range(num_tokens):
-                self.itl.observe(since_previous_s / num_tokens)
+            if num_tokens > 1:
+                self.itl.observe(0.0, num_tokens - 1)
+        elif num_tokens:
+            self.itl.observe(since_previous_s / num_tokens, num_tokens)
         self.generated_tokens.inc(num_tokens)
         self._token_rate.add(num_tokens, now_s)
 
