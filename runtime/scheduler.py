@@ -582,8 +582,8 @@ class Scheduler:
 
     def _register(self, seq: Sequence, step_id: int) -> None:
         """Offer the prefix cache seq's pages that are full of known, planned tokens; step_id
-        is the last step that computes any of them. Callers may skip it while both counts are
-        below seq.next_full_page, where no page can have filled."""
+        is the last step that computes any of them. Callers may skip it while seq.num_computed is
+        below seq.next_full_page: no page can have filled since the last call."""
         if self.cache is None:
             return
         ps = self.config.page_size
