@@ -14,15 +14,19 @@ looks at the socket's events and drains it if a message is there.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 
 import zmq
 
+log = logging.getLogger("orbit.zmq_reader")
+
 
 class LoopReader:
     def __init__(self, sock: zmq.Socket, on_message: Callable[[list[zmq.Frame]], None]):
-        """on_message: called with each message's frames (copy=False) in arrival order; it must
-        not raise (an exception would leave the messages after it for the next signal)."""
+        """on_message: called with each message's frames (copy=False) in arrival order. It
+        should not raise: one that does is logged and the reader goes on with the next message
+        (leaving the rest for the descriptor's next signal could leave them unread for good)."""
         self.sock, self.on_message = sock, on_message
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fd = -1
@@ -43,7 +47,10 @@ class LoopReader:
                 return
             except zmq.ZMQError:  # the socket was closed under us
                 return
-            on_message(frames)
+            try:
+                on_message(frames)
+            except Exception:
+                log.exception("a message could not be handled")
 
     def after_send(self) -> None:
         if self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
