@@ -1,5 +1,7 @@
 """Per-token cost of incremental detokenization (orbit/http/textstream.py): transformers' decode() of a
-window per token (the fallback path, what every tokenizer used before) against DecodeStream.
+window per token (the fallback path, what every tokenizer used before) against DecodeStream, token
+by token and (last column) as a choice without logprobs feeds it: a stream without offsets gives
+each feed_many() to DecodeStream in one call when it has no stop strings.
 
     python -m benchmarks.detokenize [--tokenizer DIR] [--streams 256] [--tokens 256]
 
@@ -61,11 +63,14 @@ def workloads(tokenizer, args) -> dict[str, list[list[int]]]:
     return out
 
 
-def run(tokenizer, streams_ids, use_decode_stream: bool, many: int, stop) -> tuple[float, list]:
+def run(
+    tokenizer, streams_ids, use_decode_stream: bool, many: int, stop, offsets: bool = True
+) -> tuple[float, list]:
     """Seconds to stream every sequence, and the text each released."""
     began = time.perf_counter()
     streams = [
-        TextStream(tokenizer, stop, use_decode_stream=use_decode_stream) for _ in streams_ids
+        TextStream(tokenizer, stop, use_decode_stream=use_decode_stream, offsets=offsets)
+        for _ in streams_ids
     ]
     texts = [[] for _ in streams_ids]
     for step in range(0, len(streams_ids[0]), many):
@@ -90,7 +95,10 @@ def main(argv=None) -> None:
     assert TextStream(tokenizer).uses_decode_stream, "DecodeStream does not match this tokenizer"
     num_tokens = args.streams * args.tokens
     print(f"{args.streams} streams x {args.tokens} tokens; microseconds per token")
-    print(f"{'workload':<9} {'stop strings':<13} {'feed':<14} {'window':>8} {'DecodeStream':>13}")
+    print(
+        f"{'workload':<9} {'stop strings':<13} {'feed':<14} {'window':>8} {'DecodeStream':>13} "
+        f"{'no offsets':>11}"
+    )
     for name, streams_ids in workloads(tokenizer, args).items():
         for stop in ((), STOP):
             for many in (1, args.many):
@@ -98,11 +106,14 @@ def main(argv=None) -> None:
                     args.repeat, tokenizer, streams_ids, False, many, stop
                 )
                 rust_s, rust_text = fastest(args.repeat, tokenizer, streams_ids, True, many, stop)
-                assert window_text == rust_text, f"the paths released different text ({name})"
+                lists_s, lists_text = fastest(
+                    args.repeat, tokenizer, streams_ids, True, many, stop, False
+                )
+                assert window_text == rust_text == lists_text, f"the paths differ ({name})"
                 feed = "feed()" if many == 1 else f"feed_many({many})"
                 print(
                     f"{name:<9} {len(stop):<13} {feed:<14} {window_s / num_tokens * 1e6:>8.2f} "
-                    f"{rust_s / num_tokens * 1e6:>13.2f}"
+                    f"{rust_s / num_tokens * 1e6:>13.2f} {lists_s / num_tokens * 1e6:>11.2f}"
                 )
 
 
