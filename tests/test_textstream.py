@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from orbit.http import textstream
 from orbit.http.textstream import TextStream, TokenTexts, decode_stream_matches
 
 PARTIAL = "\ufffd"
@@ -507,6 +508,21 @@ def test_feed_many_without_offsets_or_stops_releases_what_feed_does(tokenizers_b
             _ = many.fed_offsets
         checked += 1
     assert checked >= 20
+
+
+def test_feed_many_without_offsets_steps_token_by_token_where_lists_are_not_taken(
+    tokenizer, monkeypatch
+):
+    """With a tokenizers release whose DecodeStream takes one id at a time (before 0.22)."""
+    monkeypatch.setattr(textstream, "_takes_lists", False)
+    rng = random.Random("no-lists")
+    for ids in random_id_sequences(tokenizer, rng, 10):
+        one, many = TextStream(tokenizer), TextStream(tokenizer, offsets=False)
+        for token_id in ids:
+            one.feed(token_id)
+        for start in range(0, len(ids), 7):
+            many.feed_many(ids[start : start + 7])
+        assert many.finish() == one.finish() and many.text == one.text, ids
 
 
 def test_feed_many_stops_mid_call_and_reports_the_tokens_consumed(tokenizer):
