@@ -103,8 +103,6 @@ class Sequence:
     cached_tokens: int | None = None  # prompt tokens served from the prefix cache at admission
     page_keys: list[bytes] = field(default_factory=list)  # prefix keys of its first full pages
     num_registered: int = 0  # leading pages offered to the prefix cache
-    # Computed tokens below which no page can have filled since the last _register (0: look)
-    next_full_page: int = 0
     spec: SpecState | None = None  # its speculative decoding, when on and it has no grammar
     new_tokens: int = 0  # output tokens the last apply() gave it
     verifying: list[SeqChunk] = field(default_factory=list)  # its verification rows in flight
@@ -287,9 +285,11 @@ class Scheduler:
         for i, seq in enumerate(decoding):
             if seq.status is not Status.RUNNING:
                 continue  # preempted while making room for an older one
-            if seq.spec is None:  # one token, as the general path below plans it, made cheap
-                if self._reserve(seq, seq.num_computed + 1, preempt=True):  # (every step, for
-                    chunks.append(self._chunk(seq, 1, step_id))  # every decoding sequence)
+            if seq.spec is None:
+                # One token, as the general path below plans it without proposals: the short
+                # way, since this runs every step for every decoding sequence.
+                if self._reserve(seq, seq.num_computed + 1, preempt=True):
+                    chunks.append(self._chunk(seq, 1, step_id))
                     budget -= 1
                 continue
             # Room for proposals: each decode keeps one token of the budget and one sampling
@@ -410,7 +410,7 @@ class Scheduler:
             return False
         cache.hold(pages)  # out of the idle list: the reservation that follows cannot evict them
         seq.pages = list(pages)
-        seq.num_registered, seq.next_full_page = len(pages), 0
+        seq.num_registered = len(pages)
         seq.num_computed = len(pages) * ps
         self._pending_pages[seq.seq_id] = len(pages)
         return True
@@ -563,9 +563,8 @@ class Scheduler:
         return seq.num_tokens + seq.pending - seq.num_computed
 
     def _chunk(self, seq: Sequence, n: int, step_id: int, proposals=()) -> SeqChunk:
-        first = not seq.on_rank
-        added = self._pending_pages.pop(seq.seq_id, 0) if self._pending_pages else 0
-        new_pages = seq.pages[len(seq.pages) - added :] if added else []
+        first, ps = not seq.on_rank, self.config.page_size
+        new_pages = seq.pages[len(seq.pages) - self._pending_pages.pop(seq.seq_id, 0) :]
         seq.on_rank = True
         start, seq.num_computed = seq.num_computed, seq.num_computed + n
         follows = start >= seq.num_tokens  # its token is sampled by a step not yet applied
@@ -573,7 +572,7 @@ class Scheduler:
         sample = seq.num_computed >= seq.num_tokens + seq.pending
         if sample:
             seq.pending += 1
-        if self.cache is not None and seq.num_computed >= seq.next_full_page:
+        if self.cache is not None and seq.num_computed >= (seq.num_registered + 1) * ps:
             self._register(seq, step_id)
         chunk = SeqChunk(seq, start, n, new_pages, sample, first, follows, seq.num_preemptions)
         if proposals:
@@ -582,22 +581,22 @@ class Scheduler:
 
     def _register(self, seq: Sequence, step_id: int) -> None:
         """Offer the prefix cache seq's pages that are full of known, planned tokens; step_id
-        is the last step that computes any of them. Callers may skip it while seq.num_computed is
-        below seq.next_full_page: no page can have filled since the last call."""
+        is the last step that computes any of them. The two callers that run for every
+        sequence every step call it only once seq.num_computed has passed its registered pages
+        by a page: before, it has none to offer."""
         if self.cache is None:
             return
-        ps = self.config.page_size
-        full = min(seq.num_computed, seq.num_tokens) // ps
-        if full > seq.num_registered:
-            self.cache.extend_keys(seq.page_keys, seq.tokens, full)
-            for i in range(seq.num_registered, full):
-                self.cache.register(seq.pages[i], seq.page_keys[i], step_id)
-            seq.num_registered = full
-        seq.next_full_page = (seq.num_registered + 1) * ps
+        full = min(seq.num_computed, seq.num_tokens) // self.config.page_size
+        if full <= seq.num_registered:
+            return
+        self.cache.extend_keys(seq.page_keys, seq.tokens, full)
+        for i in range(seq.num_registered, full):
+            self.cache.register(seq.pages[i], seq.page_keys[i], step_id)
+        seq.num_registered = full
 
     def _reserve(self, seq: Sequence, num_tokens: int, preempt: bool) -> bool:
         """Give seq pages for num_tokens tokens, preempting the youngest if allowed."""
-        need = -(-num_tokens // self.config.page_size) - len(seq.pages)  # (pages_for, inline)
+        need = self.config.pages_for(num_tokens) - len(seq.pages)
         if need <= 0:
             return True
         while need > self._available():
@@ -637,7 +636,7 @@ class Scheduler:
             if self.cache is None or not self.cache.release(page):
                 self.free_pages.append(page)
         seq.pages = []
-        seq.num_registered = seq.next_full_page = 0
+        seq.num_registered = 0
         self._pending_pages.pop(seq.seq_id, None)
         if seq.on_rank:
             self._released.append(seq.seq_id)
@@ -661,7 +660,7 @@ class Scheduler:
         applied in the order they were scheduled. Returns the sequences that got tokens
         (`new_tokens` of them), with finish_reason set on those that are done."""
         updated = []
-        max_seq_len, cache = self.config.max_seq_len, self.cache
+        max_seq_len, cache, ps = self.config.max_seq_len, self.cache, self.config.page_size
         for c in step.chunks:
             seq = c.seq
             if (
@@ -672,7 +671,7 @@ class Scheduler:
             ):
                 continue  # void, finished, aborted or preempted since the step was planned
             seq.pending -= 1
-            if c.proposals or c.guess is not None:  # (c.verifies)
+            if c.verifies:
                 drawn = sampled[seq.seq_id]
                 tokens = self._verified(c, [drawn] if isinstance(drawn, int) else drawn)
             else:
@@ -699,7 +698,7 @@ class Scheduler:
             if c.draft:
                 seq.spec.awaiting_draft = False
                 seq.spec.drafted = list((drafted or {}).get(seq.seq_id, ()))
-            if cache is not None and seq.num_computed >= seq.next_full_page:
+            if cache is not None and seq.num_computed >= (seq.num_registered + 1) * ps:
                 self._register(seq, self._next_step_id - 1)  # planned by a step already sent
             if reason:
                 self._finish(seq, reason)
