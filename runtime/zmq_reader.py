@@ -1,5 +1,5 @@
 """Every message a plain (not asyncio) ZeroMQ socket receives, taken in the event loop's own
-reader callback.
+reader callback, and the socket's sends.
 
 pyzmq's asyncio sockets make a future per receive and per send, with callbacks and several
 getsockopt calls around each; for the engine core's links, which move a message or two a step,
@@ -7,8 +7,8 @@ that was about half of the link's CPU time (30 of 66 µs a round trip on a 2-cor
 send is a plain non-blocking send and a readable socket is drained with non-blocking receives.
 
 ZeroMQ's file descriptor signals only that the socket's state may have changed, and a send can
-consume that signal while a message waits: the owner calls `after_send` after each send, which
-looks at the socket's events and drains it if a message is there.
+consume that signal while a message waits: every send goes through `send`, which then looks at
+the socket's events and drains it if a message is there.
 """
 
 from __future__ import annotations
@@ -52,9 +52,14 @@ class LoopReader:
             except Exception:
                 log.exception("a message could not be handled")
 
-    def after_send(self) -> None:
-        if self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self._loop.call_soon(self.drain)
+    def send(self, frames: list[bytes]) -> None:
+        """Queue a message without waiting; raises zmq.ZMQError where ZeroMQ cannot take it (a
+        ROUTER's peer not connected, or the queue at its high-water mark)."""
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        finally:
+            if self._loop is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._loop.call_soon(self.drain)
 
     def stop(self) -> None:
         """Stop reading (before the socket is closed); safe to call twice, or never started."""

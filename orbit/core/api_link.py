@@ -79,14 +79,12 @@ class ApiLink:
 
     def send(self, sink: ApiServerSink, msg: core_pb2.ToApiServer) -> None:
         try:
-            self.sock.send_multipart([sink.identity, msg.SerializeToString()], flags=zmq.NOBLOCK)
+            self._reader.send([sink.identity, msg.SerializeToString()])
         except zmq.ZMQError as e:
             if self.sinks.get(sink.identity) is sink:
                 # gone (EHOSTUNREACH) or not reading (EAGAIN at the high-water mark)
                 log.error("API server %s cannot be reached (%s); dropping it", _name(sink), e)
                 self.forget(sink.identity)
-        finally:
-            self._reader.after_send()
 
     def forget(self, identity: bytes) -> None:
         """An API server is gone: abort its sequences."""

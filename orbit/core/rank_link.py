@@ -195,10 +195,7 @@ class RankLink:
     def _send(self, rank: int, data: bytes) -> None:
         """Queue a message for a rank without waiting; raises zmq.ZMQError where ZeroMQ cannot
         take it (a rank not connected, or a thousand messages queued for it)."""
-        try:
-            self.sock.send_multipart([_identity(rank), data], flags=zmq.NOBLOCK)
-        finally:
-            self._reader.after_send()
+        self._reader.send([_identity(rank), data])
 
     def silent_ranks(self, silence_s: float) -> list[int]:
         """Ranks heard from before but not for silence_s. Ranks heartbeat every second from a

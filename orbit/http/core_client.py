@@ -3,10 +3,11 @@
 `generate` sends a sequence to the core and yields what the core sends back for it, one
 `SeqOutput` per step (the new tokens, logprobs when asked, and on the last one the finish
 reason), or one for all the steps that arrived while the stream was busy; the event loop's
-reader callback (runtime/zmq_reader.py) routes each step's message to the sequences' queues. A sequence that the core refused or
-ended with an error raises the matching exception below. The core's status
-arrives when it changes and every second: when it has been silent for CORE_SILENCE_S the core
-counts as dead, every sequence ends with EngineError and the server is not ready.
+reader callback (runtime/zmq_reader.py) routes each step's message to the sequences' queues. A
+sequence that the core refused or ended with an error raises the matching exception below. The
+core's status arrives when it changes and every second: when it has been silent for
+CORE_SILENCE_S the core counts as dead, every sequence ends with EngineError and the server is
+not ready.
 """
 
 from __future__ import annotations
@@ -271,10 +272,7 @@ class CoreClient:
     def _send(self, msg: core_pb2.FromApiServer) -> None:
         """Queue msg for the core; raises zmq.ZMQError when the link takes no more now (the
         core stopped reading and the queue reached its high-water mark)."""
-        try:
-            self.sock.send(msg.SerializeToString(), flags=zmq.NOBLOCK)
-        finally:
-            self._reader.after_send()
+        self._reader.send([msg.SerializeToString()])
 
     def _send_status(self) -> None:
         status = core_pb2.ApiStatus(metrics_text=self._own_metrics())
